@@ -1,0 +1,117 @@
+// Runtime choice of the ISA level for the CPU kernels. The kernels are built
+// once per level (never with -march=native), and the best level this CPU
+// supports is picked on first use; select_isa_level overrides it (tests run
+// every level this way).
+#include <atomic>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace frugal {
+namespace cpu {
+
+namespace {
+
+struct Level {
+  const char* name;
+  bool (*supported)();
+  void (*adamw)(const TensorBatch&, DType, const AdamWScalars&, int);
+  void (*sign_sgd)(const TensorBatch&, DType, const SignScalars&, int);
+  void (*frugal_step)(const TensorBatch&, const SubsetBatch&, DType, const FrugalScalars&, int);
+};
+
+bool always() { return true; }
+
+#if defined(FK_HAVE_X86_LEVELS)
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+#endif
+
+#define FK_LEVEL(ns, supported) \
+  Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::frugal_step }
+
+const Level kLevels[] = {
+#if defined(FK_HAVE_X86_LEVELS)
+    FK_LEVEL(avx512, has_avx512),
+    FK_LEVEL(avx2, has_avx2),
+#endif
+    FK_LEVEL(baseline, always),
+};
+#undef FK_LEVEL
+
+constexpr int kNumLevels = int(sizeof(kLevels) / sizeof(kLevels[0]));
+
+const Level* best_level() {
+  for (const Level& l : kLevels) {
+    if (l.supported()) return &l;
+  }
+  return &kLevels[kNumLevels - 1];
+}
+
+std::atomic<const Level*> g_active{nullptr};
+
+const Level& active() {
+  const Level* l = g_active.load(std::memory_order_acquire);
+  if (l == nullptr) {
+    l = best_level();
+    g_active.store(l, std::memory_order_release);
+  }
+  return *l;
+}
+
+}  // namespace
+
+const char* const* isa_levels_built(int* count) {
+  static const char* names[kNumLevels];
+  for (int i = 0; i < kNumLevels; ++i) names[i] = kLevels[i].name;
+  *count = kNumLevels;
+  return names;
+}
+
+const char* isa_level_active() { return active().name; }
+
+bool select_isa_level(const char* name) {
+  if (std::strcmp(name, "auto") == 0) {
+    g_active.store(best_level(), std::memory_order_release);
+    return true;
+  }
+  for (const Level& l : kLevels) {
+    if (std::strcmp(l.name, name) == 0 && l.supported()) {
+      g_active.store(&l, std::memory_order_release);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool openmp_enabled() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threads) {
+  active().adamw(t, dtype, adamw_scalars(h), num_threads);
+}
+
+void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+              int num_threads) {
+  active().sign_sgd(t, dtype, sign_scalars(lr, weight_decay, scale), num_threads);
+}
+
+void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
+                 double state_free_scale, StateFree mode, int num_threads) {
+  const FrugalScalars s{adamw_scalars(h), sign_scalars(h.lr, h.weight_decay, state_free_scale), mode};
+  active().frugal_step(t, sub, dtype, s, num_threads);
+}
+
+}  // namespace cpu
+}  // namespace frugal

@@ -1,0 +1,71 @@
+// Entry points of the CPU kernels. Each is compiled once per ISA level (see
+// CMakeLists.txt) into its own namespace; dispatch.cpp picks one at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "frugal/common.h"
+#include "frugal/frugal_tile.h"
+#include "frugal/update_rules.h"
+
+namespace frugal {
+namespace cpu {
+
+// A batch of same-dtype tensors given as raw pointers; `numel[i]` elements each.
+struct TensorBatch {
+  int64_t count;
+  void* const* params;
+  const void* const* grads;
+  float* const* exp_avgs;
+  float* const* exp_avg_sqs;
+  const int64_t* numel;
+};
+
+// The state-full subsets of a FRUGAL step, one per tensor of the batch.
+struct SubsetBatch {
+  SubsetKind kind;
+  bool index_is_int32;
+  const void* const* indices;
+  const int64_t* rows;
+  const int64_t* cols;
+  const int64_t* k;
+};
+
+struct FrugalScalars {
+  AdamWScalars adamw;
+  SignScalars state_free;
+  StateFree mode;
+};
+
+#define FK_DECLARE_CPU_KERNELS(ns)                                                            \
+  namespace ns {                                                                              \
+  void adamw(const TensorBatch& t, DType dtype, const AdamWScalars& s, int num_threads);      \
+  void sign_sgd(const TensorBatch& t, DType dtype, const SignScalars& s, int num_threads);    \
+  void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype,                 \
+                   const FrugalScalars& s, int num_threads);                                  \
+  }
+
+FK_DECLARE_CPU_KERNELS(baseline)
+#if defined(FK_HAVE_X86_LEVELS)
+FK_DECLARE_CPU_KERNELS(avx2)
+FK_DECLARE_CPU_KERNELS(avx512)
+#endif
+
+#undef FK_DECLARE_CPU_KERNELS
+
+// The ISA levels compiled into this build, best first, and the one in use.
+const char* const* isa_levels_built(int* count);
+const char* isa_level_active();
+// Select an ISA level by name ("auto" for the best the CPU supports). Returns
+// false (and changes nothing) when it was not built or the CPU lacks it.
+bool select_isa_level(const char* name);
+bool openmp_enabled();
+
+void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threads);
+void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+              int num_threads);
+void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
+                 double state_free_scale, StateFree mode, int num_threads);
+
+}  // namespace cpu
+}  // namespace frugal

@@ -1,0 +1,54 @@
+// Entry points of the CUDA kernels, and of their emulation on the host.
+//
+// The block-level logic of every kernel lives in a header (*.cuh) of plain
+// C++ with FK_HOST_DEVICE functions. The real kernels (*.cu, built by nvcc
+// when it is found) and the emulator (emulate.cpp, always built by the host
+// compiler) include the same headers and use the same launch planner, so the
+// index and chunking logic is tested on the CPU over an emulated grid.
+#pragma once
+
+#include <cstdint>
+
+#include "../cpu/kernels.h"
+
+namespace frugal {
+namespace cuda {
+
+using cpu::SubsetBatch;
+using cpu::TensorBatch;
+
+// Hyper-parameters that may live on the device (a 0-dim float32 tensor each,
+// as torch's capturable optimizers keep lr and step); null means "use the
+// value in AdamWHyper".
+struct DeviceScalars {
+  const float* lr = nullptr;
+  const float* step = nullptr;
+};
+
+// The functions below throw std::runtime_error on a CUDA error.
+void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const DeviceScalars& d,
+           uintptr_t stream);
+void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+              const DeviceScalars& d, uintptr_t stream);
+void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
+                 double state_free_scale, StateFree mode, const DeviceScalars& d, uintptr_t stream);
+// nvcc version and the architectures compiled in, e.g. "80;90;90-ptx".
+const char* nvcc_version();
+const char* archs();
+
+}  // namespace cuda
+
+// The same kernels run block by block, thread by thread, on host memory.
+namespace cuda_emulated {
+
+using cpu::SubsetBatch;
+using cpu::TensorBatch;
+
+void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const cuda::DeviceScalars& d);
+void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+              const cuda::DeviceScalars& d);
+void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
+                 double state_free_scale, StateFree mode, const cuda::DeviceScalars& d);
+
+}  // namespace cuda_emulated
+}  // namespace frugal

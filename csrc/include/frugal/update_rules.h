@@ -1,0 +1,88 @@
+// The per-coordinate update rules, written once for the CPU and CUDA kernels.
+// Every rule works in fp32; the order of operations follows
+// torch.optim.AdamW(foreach=False) so that results agree to rounding.
+#pragma once
+
+#include <cmath>
+
+#include "frugal/common.h"
+
+namespace frugal {
+
+// Hyper-parameters of one AdamW call as the caller gives them.
+struct AdamWHyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  double step;  // count after this update, from 1, as torch's state["step"]
+  bool maximize;
+};
+
+// What the inner loop needs, derived once per call in double precision (as
+// torch does in Python) and rounded to fp32 once.
+struct AdamWScalars {
+  float decay;        // 1 - lr * weight_decay
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float step_size;    // lr / (1 - beta1^step)
+  float bc2_sqrt;     // sqrt(1 - beta2^step)
+  float eps;
+  bool maximize;
+};
+
+FK_HOST_DEVICE AdamWScalars adamw_scalars(const AdamWHyper& h) {
+  AdamWScalars s;
+  s.decay = float(1.0 - h.lr * h.weight_decay);
+  s.beta1 = float(h.beta1);
+  s.one_minus_beta1 = float(1.0 - h.beta1);
+  s.beta2 = float(h.beta2);
+  s.one_minus_beta2 = float(1.0 - h.beta2);
+  s.step_size = float(h.lr / (1.0 - pow(h.beta1, h.step)));
+  s.bc2_sqrt = float(sqrt(1.0 - pow(h.beta2, h.step)));
+  s.eps = float(h.eps);
+  s.maximize = h.maximize;
+  return s;
+}
+
+// One AdamW coordinate: decoupled decay, moment updates, bias-corrected step.
+// m and v are updated in place; the new parameter value is returned.
+FK_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s) {
+  if (s.maximize) g = -g;
+  p = p * s.decay;
+  // torch's lerp(m, g, w) with w = 1 - beta1 < 0.5
+  m = m + s.one_minus_beta1 * (g - m);
+  v = v * s.beta2 + s.one_minus_beta2 * (g * g);
+  const float denom = sqrtf(v) / s.bc2_sqrt + s.eps;
+  return p - s.step_size * (m / denom);
+}
+
+// What the state-free coordinates of a FRUGAL step do.
+enum class StateFree : int { kSign = 0, kSgd = 1, kNone = 2 };
+
+struct SignScalars {
+  float decay;  // 1 - lr * weight_decay
+  float step;   // lr * scale
+};
+
+FK_HOST_DEVICE SignScalars sign_scalars(double lr, double weight_decay, double scale) {
+  return SignScalars{float(1.0 - lr * weight_decay), float(lr * scale)};
+}
+
+FK_HOST_DEVICE float sign_of(float g) {
+  return g > 0.f ? 1.f : (g < 0.f ? -1.f : 0.f);
+}
+
+// A state-free coordinate: decay, then a step along -sign(g), -g, or none.
+template <StateFree Mode>
+FK_HOST_DEVICE float state_free_update(float p, float g, const SignScalars& s) {
+  p = p * s.decay;
+  if (Mode == StateFree::kSign) return p - s.step * sign_of(g);
+  if (Mode == StateFree::kSgd) return p - s.step * g;
+  return p;
+}
+
+}  // namespace frugal

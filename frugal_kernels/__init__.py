@@ -1,0 +1,13 @@
+"""Memory-frugal LLM training: FRUGAL-family, BAdam and DQT optimizers on fused kernels.
+
+Layers (see DESIGN.md): ``frugal_kernels.ops`` holds the fused ops as
+``torch.library`` operators with CPU (C++), CUDA, Triton and torch backends;
+``frugal_kernels.reference`` is the readable pure-torch ground truth.
+"""
+
+from frugal_kernels._version import __version__
+from frugal_kernels._extension import build_info
+from frugal_kernels import ops, reference
+from frugal_kernels.governor import Governor
+
+__all__ = ["__version__", "build_info", "ops", "reference", "Governor"]

@@ -1,0 +1,80 @@
+"""Which backend runs an op: the capability table and the choice.
+
+``backend="auto"`` picks cuda > triton > torch for tensors on a GPU and
+cpu > torch for tensors on the CPU; the ``FRUGAL_BACKEND`` environment
+variable overrides the automatic choice. Asking for a backend that cannot run
+here raises a ValueError that says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from frugal_kernels._extension import extension
+
+BACKENDS = ("cpu", "cuda", "triton", "torch")
+_AUTO_ORDER = {"cpu": ("cpu", "torch"), "cuda": ("cuda", "triton", "torch")}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unavailable_reason(backend: str, device_type: str) -> Optional[str]:
+    """Why ``backend`` cannot run on tensors of ``device_type``; None if it can."""
+    if backend not in BACKENDS:
+        return f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'"
+    if backend == "torch":
+        return None
+    if backend == "triton":
+        if not _triton_installed():
+            return "triton is not installed"
+        if device_type == "cpu" and not _triton_interpreting():
+            return "Triton kernels run on CPU tensors only under TRITON_INTERPRET=1"
+        if device_type not in ("cpu", "cuda"):
+            return f"Triton kernels do not run on {device_type} tensors"
+        return None
+    ext = extension()
+    if ext is None:
+        return "the compiled extension frugal_kernels._C is not available"
+    if backend == "cpu":
+        return None if device_type == "cpu" else f"the cpu backend cannot run on {device_type} tensors"
+    if device_type != "cuda":
+        return f"the cuda backend cannot run on {device_type} tensors"
+    if not hasattr(ext, "adamw_cuda"):
+        return "frugal_kernels._C was built without CUDA kernels (no nvcc at build time)"
+    return None
+
+
+def usable_backends(device_type: str) -> list:
+    """Backends that can run on tensors of ``device_type`` now, in automatic order."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return []
+    order = _AUTO_ORDER.get(device_type, ("torch",))
+    rest = [b for b in BACKENDS if b not in order]
+    return [b for b in (*order, *rest) if unavailable_reason(b, device_type) is None]
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """The backend an op call runs on."""
+    if backend == "auto":
+        backend = os.environ.get("FRUGAL_BACKEND", "auto") or "auto"
+    if backend == "auto":
+        for candidate in _AUTO_ORDER.get(device.type, ("torch",)):
+            if unavailable_reason(candidate, device.type) is None:
+                return candidate
+        return "torch"
+    reason = unavailable_reason(backend, device.type)
+    if reason is not None:
+        raise ValueError(f"backend {backend!r} cannot run here: {reason}")
+    return backend

@@ -1,0 +1,130 @@
+"""Readable pure-torch implementations of every op: the ground truth.
+
+Each function here is written for clarity, one tensor at a time, in fp32, in
+the order of operations of ``torch.optim.AdamW(foreach=False)``. The fast
+backends (C++, CUDA, Triton) are tested against these functions; the ``torch``
+backend of every op calls them directly. Arguments are as in
+:mod:`frugal_kernels.ops`, with ``lr`` and ``step`` as Python numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["adamw_", "sign_sgd_", "frugal_step_"]
+
+
+@torch.no_grad()
+def adamw_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+    maximize: bool = False,
+) -> None:
+    """AdamW with decoupled weight decay; ``step`` counts from 1 (after this update)."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    step_size = lr / bias_correction1
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        p32 = p.float()
+        g32 = -g.float() if maximize else g.float()
+        p32.mul_(1 - lr * weight_decay)
+        m.lerp_(g32, 1 - beta1)
+        v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        p32.addcdiv_(m, denom, value=-step_size)
+        p.copy_(p32)
+
+
+def _state_free_update(p32: Tensor, g32: Tensor, *, lr: float, weight_decay: float,
+                       scale: float, state_free: str) -> Tensor:
+    """The rule for coordinates without optimizer state (returns a new tensor)."""
+    out = p32 * (1 - lr * weight_decay)
+    if state_free == "sign":
+        out = out - (lr * scale) * torch.sign(g32)
+    elif state_free == "sgd":
+        out = out - (lr * scale) * g32
+    elif state_free != "none":
+        raise ValueError(f"unknown state_free rule {state_free!r}")
+    return out
+
+
+@torch.no_grad()
+def sign_sgd_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    scale: float = 1.0,
+) -> None:
+    """``p = p * (1 - lr * weight_decay) - lr * scale * sign(g)``."""
+    for p, g in zip(params, grads):
+        p.copy_(_state_free_update(p.float(), g.float(), lr=lr, weight_decay=weight_decay,
+                                   scale=scale, state_free="sign"))
+
+
+@torch.no_grad()
+def frugal_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    indices: Sequence[Tensor],
+    *,
+    kind: str,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+    state_free: str = "sign",
+    state_free_scale: float = 1.0,
+) -> None:
+    """One FRUGAL step on tensors whose state-full set is a subset of coordinates.
+
+    For each tensor, ``indices`` (sorted, unique) names the state-full rows,
+    columns or flat coordinates (``kind``); those coordinates get AdamW with
+    the compact moments ``exp_avgs`` / ``exp_avg_sqs``, which hold exactly
+    them (shape ``(k, *p.shape[1:])`` for rows, ``(*p.shape[:-1], k)`` for
+    columns, ``(k,)`` for flat), in the order of ``indices``. Every other
+    coordinate gets the ``state_free`` rule with step ``lr * state_free_scale``.
+    Weight decay applies to all coordinates.
+    """
+    for p, g, m, v, idx in zip(params, grads, exp_avgs, exp_avg_sqs, indices):
+        p32, g32 = p.float(), g.float()
+        idx = idx.long()
+        if kind == "rows":
+            full_p, full_g = p32[idx], g32[idx]
+        elif kind == "columns":
+            full_p, full_g = p32[..., idx], g32[..., idx]
+        elif kind == "flat":
+            full_p, full_g = p32.reshape(-1)[idx], g32.reshape(-1)[idx]
+        else:
+            raise ValueError(f"unknown subset kind {kind!r}")
+
+        adamw_([full_p], [full_g], [m], [v], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+               weight_decay=weight_decay, step=step)
+        new_p = _state_free_update(p32, g32, lr=lr, weight_decay=weight_decay,
+                                   scale=state_free_scale, state_free=state_free)
+
+        if kind == "rows":
+            new_p[idx] = full_p
+        elif kind == "columns":
+            new_p[..., idx] = full_p
+        else:
+            new_p.view(-1)[idx] = full_p
+        p.copy_(new_p)
