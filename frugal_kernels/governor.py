@@ -1,0 +1,331 @@
+"""The compute governor: continue, reallocate or stop training from the gain per FLOP.
+
+A training loop counts the FLOPs it spends (:meth:`Governor.step` or
+:meth:`Governor.add_flops`) and reports each evaluation loss to :meth:`Governor.observe`, which
+answers a :class:`Decision`. The policy maps the training state (the recent loss curve) and the
+remaining budget to an action, driven by the marginal gain per FLOP ``G_t = -dL/dFLOPs``.
+
+Example::
+
+    governor = Governor(flop_budget=1e15, flops_per_token=flops_per_token(config, seq_len))
+    governor.attach(optimizer)  # its apply_governor(decision) is called on reallocate
+    for step, batch in enumerate(batches):
+        ...
+        governor.step(tokens=batch_size * seq_len,
+                      optimizer_flops=optimizer_flops(num_params, "adamw"))
+        if step % eval_every == 0 and governor.observe(val_loss).action == "stop":
+            break
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["OPTIMIZER_FLOPS_PER_ELEMENT", "Decision", "Governor", "optimizer_flops"]
+
+logger = logging.getLogger(__name__)
+
+# Rough FLOPs per parameter element of one optimizer step, counting each add, multiply,
+# divide, sqrt and sign as one: AdamW is two moment updates (7), the bias-corrected
+# denominator (3), the update (2); SignSGD is sign, scale and subtract.
+OPTIMIZER_FLOPS_PER_ELEMENT: dict[str, int] = {
+    "adamw": 12,
+    "adam": 12,
+    "signsgd": 3,
+    "sgd": 2,
+    "sgd_momentum": 4,
+    "none": 0,
+}
+
+def optimizer_flops(num_params: int, kind: str = "adamw") -> int:
+    """FLOPs of one optimizer step over ``num_params`` elements updated by rule ``kind``.
+
+    ``kind`` is a key of :data:`OPTIMIZER_FLOPS_PER_ELEMENT`. Mixed optimizers add their parts,
+    e.g. FRUGAL: ``optimizer_flops(n_state_full, "adamw") + optimizer_flops(n_state_free,
+    "signsgd")``.
+    """
+    try:
+        per_element = OPTIMIZER_FLOPS_PER_ELEMENT[kind.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown optimizer kind {kind!r}; known: {sorted(OPTIMIZER_FLOPS_PER_ELEMENT)}"
+        ) from None
+    return per_element * num_params
+
+
+@dataclass
+class Decision:
+    """The governor's answer at one evaluation.
+
+    ``gain_per_flop`` is ``G_t`` (``None`` until the window is full) and
+    ``projected_improvement`` is ``G_t * remaining_flops / loss``, the relative loss
+    improvement that spending the rest of the budget at the current rate would buy.
+    ``suggestion`` is set on ``"reallocate"``: factors for the optimizer's schedule.
+    """
+
+    action: str
+    reason: str
+    evaluation: int
+    step: int
+    flops: float
+    loss: float
+    remaining_flops: float
+    gain_per_flop: Optional[float] = None
+    projected_improvement: Optional[float] = None
+    suggestion: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys against xs (centred, so 1e15-sized FLOP counts are harmless)."""
+    x_mean = sum(xs) / len(xs)
+    y_mean = sum(ys) / len(ys)
+    sxy = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys))
+    sxx = sum((x - x_mean) ** 2 for x in xs)
+    return sxy / sxx
+
+
+class Governor:
+    """Compute governor: policy ``pi(state, remaining budget) -> continue | reallocate | stop``.
+
+    At each evaluation ``t`` (a call of :meth:`observe`) with cumulative FLOPs ``F_t``, loss
+    ``L_t`` and remaining budget ``R_t = flop_budget - F_t``:
+
+    * ``G_t = -slope`` of the least-squares line through the last ``window`` points
+      ``(F_i, L_i)``. A fitted slope averages the evaluation noise of ``window`` losses instead
+      of differencing two of them; it is undefined (and no decision but the budget's is taken)
+      until ``window`` evaluations exist.
+    * ``P_t = G_t * R_t / L_t``: the relative improvement the rest of the budget would buy at
+      the current rate.
+
+    Rules, first match wins:
+
+    1. **stop** when the loss is not finite, or the budget is spent (``F_t >= flop_budget``).
+       The budget is only checked here, so a loop that calls :meth:`observe` every ``k``
+       steps overshoots by less than one interval of ``k`` steps; check :attr:`exhausted`
+       per step for a hard cap.
+    2. **stop** when ``P_t < min_improvement`` (i.e. ``G_t * R_t < min_improvement * L_t``) at
+       ``patience`` consecutive evaluations: the remaining compute is not worth spending.
+    3. **reallocate** when ``G_t < reallocate_fraction * G_ref`` and at least ``cooldown``
+       evaluations passed since the last reallocation. ``G_ref`` is the first positive ``G``,
+       then the ``G`` at the last reallocation if it was positive, so each reallocation answers
+       a further drop by the same factor, not the same old drop over and over (while the loss
+       does not fall, ``G <= 0`` reallocates at every cooldown). The decision carries
+       ``suggestion`` (by default grow the update gap T by 1.5 and scale rho by 0.8: make each
+       step cheaper once steps pay less), and every attached optimizer with an
+       ``apply_governor(decision)`` method is called with it.
+    4. **continue** otherwise.
+
+    The cooldown defaults to ``window`` so that the next ``G`` is fitted on losses measured
+    after the change only.
+
+    Args:
+        flop_budget: total FLOPs the run may spend.
+        flops_per_token: default model FLOPs per training token for :meth:`step`.
+        window: number of evaluations the slope is fitted on (at least 2).
+        patience: consecutive evaluations under the stop threshold before stopping.
+        min_improvement: relative loss improvement under which the rest of the budget is
+            not worth spending (0.005 = 0.5%).
+        reallocate_fraction: drop of ``G`` relative to ``G_ref`` that triggers a reallocation.
+        cooldown: evaluations between two reallocations (default: ``window``).
+        suggestion: what a reallocation proposes to the optimizer.
+    """
+
+    def __init__(
+        self,
+        flop_budget: float,
+        *,
+        flops_per_token: Optional[float] = None,
+        window: int = 5,
+        patience: int = 3,
+        min_improvement: float = 0.005,
+        reallocate_fraction: float = 0.25,
+        cooldown: Optional[int] = None,
+        suggestion: Optional[dict[str, float]] = None,
+    ) -> None:
+        if not flop_budget > 0:
+            raise ValueError(f"flop_budget must be positive, got {flop_budget}")
+        if window < 2:
+            raise ValueError(f"window must be at least 2 to fit a slope, got {window}")
+        if patience < 1:
+            raise ValueError(f"patience must be at least 1, got {patience}")
+        if not 0.0 < reallocate_fraction < 1.0:
+            raise ValueError(f"reallocate_fraction must lie in (0, 1), got {reallocate_fraction}")
+        if cooldown is not None and cooldown < 0:
+            raise ValueError(f"cooldown must be non-negative, got {cooldown}")
+        self.flop_budget = float(flop_budget)
+        self.flops_per_token = flops_per_token
+        self.window = window
+        self.patience = patience
+        self.min_improvement = min_improvement
+        self.reallocate_fraction = reallocate_fraction
+        self.cooldown = window if cooldown is None else cooldown
+        if suggestion is None:
+            suggestion = {"update_gap_factor": 1.5, "rho_factor": 0.8}
+        self.suggestion = dict(suggestion)
+        self._attached: list[Any] = []
+
+        self.spent_flops = 0.0
+        self.steps = 0
+        self.evaluations = 0
+        self.history: list[dict[str, Any]] = []
+        self._points: list[tuple[float, float]] = []
+        self._below_streak = 0
+        self._gain_ref: Optional[float] = None
+        self._last_reallocation: Optional[int] = None
+
+    @property
+    def remaining_flops(self) -> float:
+        return self.flop_budget - self.spent_flops
+
+    @property
+    def exhausted(self) -> bool:
+        return self.spent_flops >= self.flop_budget
+
+    def attach(self, optimizer: Any) -> None:
+        """Have ``optimizer.apply_governor(decision)`` called on every reallocation."""
+        if not callable(getattr(optimizer, "apply_governor", None)):
+            logger.warning("%s has no apply_governor(decision); reallocations will not change it",
+                           type(optimizer).__name__)
+        self._attached.append(optimizer)
+
+    def add_flops(self, flops: float) -> None:
+        if flops < 0:
+            raise ValueError(f"flops must be non-negative, got {flops}")
+        self.spent_flops += float(flops)
+
+    def step(
+        self, tokens: int, flops_per_token: Optional[float] = None, optimizer_flops: float = 0.0
+    ) -> None:
+        """Count one training step: ``tokens * flops_per_token + optimizer_flops``."""
+        flops_per_token = self.flops_per_token if flops_per_token is None else flops_per_token
+        if flops_per_token is None:
+            raise ValueError("step() needs flops_per_token, here or in the constructor")
+        self.add_flops(tokens * flops_per_token + optimizer_flops)
+        self.steps += 1
+
+    def observe(
+        self, loss: float, flops: Optional[float] = None, step: Optional[int] = None
+    ) -> Decision:
+        """Record an evaluation loss and decide (see the class docstring for the rules).
+
+        ``flops`` is the cumulative FLOP count at this evaluation; given, it replaces the count
+        kept by :meth:`step`/:meth:`add_flops`. ``step`` only labels the record (default: the
+        number of :meth:`step` calls).
+        """
+        loss = float(loss)
+        if loss <= 0:
+            raise ValueError(
+                f"the loss must be positive (improvement is relative to it), got {loss}"
+            )
+        if flops is not None:
+            self.spent_flops = float(flops)
+        if self._points and self.spent_flops <= self._points[-1][0]:
+            raise ValueError(
+                f"FLOPs must grow between evaluations: {self.spent_flops:.6g} after "
+                f"{self._points[-1][0]:.6g}; count them with step() or add_flops(), or pass flops="
+            )
+        self.evaluations += 1
+        decision = Decision(
+            action="continue",
+            reason="",
+            evaluation=self.evaluations,
+            step=self.steps if step is None else step,
+            flops=self.spent_flops,
+            loss=loss,
+            remaining_flops=self.remaining_flops,
+        )
+        if math.isfinite(loss):
+            self._points = (self._points + [(self.spent_flops, loss)])[-self.window:]
+        self._decide(decision)
+        self.history.append(decision.to_dict())
+        level = logging.DEBUG if decision.action == "continue" else logging.INFO
+        logger.log(level, "governor %s at evaluation %d (step %d, %.3g FLOPs, loss %.4f): %s",
+                   decision.action, decision.evaluation, decision.step, decision.flops,
+                   decision.loss, decision.reason)
+        if decision.action == "reallocate":
+            for optimizer in self._attached:
+                if callable(getattr(optimizer, "apply_governor", None)):
+                    optimizer.apply_governor(decision)
+        return decision
+
+    def _decide(self, d: Decision) -> None:
+        if not math.isfinite(d.loss):
+            d.action, d.reason = "stop", f"loss is not finite ({d.loss})"
+            return
+        if self.exhausted:
+            d.action, d.reason = "stop", (
+                f"budget exhausted: {d.flops:.4g} of {self.flop_budget:.4g} FLOPs spent"
+            )
+            return
+        if len(self._points) < self.window:
+            d.reason = f"filling the window: {len(self._points)} of {self.window} evaluations"
+            return
+
+        xs, ys = zip(*self._points)
+        gain = -_slope(list(xs), list(ys))
+        d.gain_per_flop = gain
+        d.projected_improvement = gain * d.remaining_flops / d.loss
+        if d.projected_improvement < self.min_improvement:
+            self._below_streak += 1
+        else:
+            self._below_streak = 0
+        if self._below_streak >= self.patience:
+            d.action, d.reason = "stop", (
+                f"the rest of the budget would improve the loss by {d.projected_improvement:.3%} "
+                f"at the current rate, under {self.min_improvement:.3%}, for "
+                f"{self._below_streak} evaluations"
+            )
+            return
+
+        if self._gain_ref is None:
+            if gain > 0:
+                self._gain_ref = gain
+            d.reason = f"G = {gain:.3g} per FLOP"
+            return
+        cooled = (self._last_reallocation is None
+                  or d.evaluation - self._last_reallocation >= self.cooldown)
+        if gain < self.reallocate_fraction * self._gain_ref and cooled:
+            d.action, d.reason = "reallocate", (
+                f"G = {gain:.3g} per FLOP fell under {self.reallocate_fraction:g} x "
+                f"{self._gain_ref:.3g}"
+            )
+            d.suggestion = dict(self.suggestion)
+            if gain > 0:
+                self._gain_ref = gain
+            self._last_reallocation = d.evaluation
+            return
+        d.reason = f"G = {gain:.3g} per FLOP (reference {self._gain_ref:.3g})"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's progress, as plain JSON-able values.
+
+        The settings (budget, window, thresholds) are not included: they come from the
+        constructor, so a resumed run may, for instance, be given a larger budget.
+        """
+        return {
+            "spent_flops": self.spent_flops,
+            "steps": self.steps,
+            "evaluations": self.evaluations,
+            "points": [list(p) for p in self._points],
+            "below_streak": self._below_streak,
+            "gain_ref": self._gain_ref,
+            "last_reallocation": self._last_reallocation,
+            "history": [dict(h) for h in self.history],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.spent_flops = float(state_dict["spent_flops"])
+        self.steps = int(state_dict["steps"])
+        self.evaluations = int(state_dict["evaluations"])
+        self._points = [(float(f), float(l)) for f, l in state_dict["points"]][-self.window:]
+        self._below_streak = int(state_dict["below_streak"])
+        self._gain_ref = state_dict["gain_ref"]
+        self._last_reallocation = state_dict["last_reallocation"]
+        self.history = [dict(h) for h in state_dict["history"]]

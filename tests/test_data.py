@@ -1,0 +1,186 @@
+import sys
+
+import pytest
+import torch
+
+from frugal_kernels.data import (
+    ByteTokenizer,
+    Document,
+    TokenDataset,
+    load_corpus,
+    stdlib_documents,
+    text_file_documents,
+)
+
+MAX_BYTES = 2_000_000
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(max_bytes=MAX_BYTES)
+
+
+def test_stdlib_corpus_is_capped_sorted_and_without_tests():
+    documents = stdlib_documents(max_bytes=MAX_BYTES)
+    names = [doc.name for doc in documents]
+    assert names == sorted(names)
+    assert sum(len(doc.data) for doc in documents) == MAX_BYTES
+    assert all(name.endswith(".py") for name in names)
+    for name in names:
+        parts = set(name.split("/")[:-1])
+        assert not parts & {"test", "tests", "site-packages"}, name
+
+
+def test_stdlib_corpus_is_deterministic(corpus):
+    again = load_corpus(max_bytes=MAX_BYTES)
+    assert again.digest == corpus.digest
+    assert torch.equal(again.train, corpus.train)
+    assert torch.equal(again.validation, corpus.validation)
+
+
+def test_split_is_by_document_and_disjoint(corpus):
+    documents = stdlib_documents(max_bytes=MAX_BYTES)
+    assert corpus.split_rule == "documents"
+    assert len(corpus.train) + len(corpus.validation) == MAX_BYTES
+    assert 0.01 < len(corpus.validation) / MAX_BYTES < 0.3
+    # Rebuilding the split from the documents shows each one went to exactly one side.
+    by_content = {doc.data: doc.name for doc in documents if len(doc.data) > 2000}
+    train_bytes = corpus.train.numpy().tobytes()
+    val_bytes = corpus.validation.numpy().tobytes()
+    in_train = {name for data, name in by_content.items() if data in train_bytes}
+    in_val = {name for data, name in by_content.items() if data in val_bytes}
+    assert in_val and in_train
+    assert not in_train & in_val
+    assert in_train | in_val == set(by_content.values())
+
+
+def test_split_depends_on_seed(corpus):
+    other = load_corpus(max_bytes=MAX_BYTES, seed=1)
+    assert not torch.equal(other.validation[:1000], corpus.validation[:1000])
+
+
+def test_batches_are_deterministic(corpus):
+    first = list(corpus.batches("train", batch_size=4, seq_len=32, seed=3, num_batches=5))
+    second = list(corpus.batches("train", batch_size=4, seq_len=32, seed=3, num_batches=5))
+    other = list(corpus.batches("train", batch_size=4, seq_len=32, seed=4, num_batches=5))
+    assert len(first) == 5
+    for (x1, y1), (x2, y2) in zip(first, second):
+        assert x1.shape == y1.shape == (4, 32)
+        assert x1.dtype == y1.dtype == torch.long
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+        assert torch.equal(x1, y1)  # labels are aligned: the model shifts them
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(first, other))
+
+
+def test_batches_are_windows_of_the_split(corpus):
+    train_bytes = corpus.train.numpy().tobytes()
+    input_ids, _ = next(corpus.batches("train", batch_size=3, seq_len=64, seed=0))
+    for row in input_ids:
+        assert bytes(row.tolist()) in train_bytes
+
+
+def test_validation_batches_are_fixed(corpus):
+    a = corpus.validation_batches(batch_size=4, seq_len=64, num_batches=3)
+    b = corpus.validation_batches(batch_size=4, seq_len=64, num_batches=3)
+    assert len(a) == 3
+    for (x1, y1), (x2, y2) in zip(a, b):
+        assert x1.shape == (4, 64)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    # Spread over the whole split, from its first to its last token.
+    assert torch.equal(a[0][0][0], corpus.validation[:64].long())
+    assert torch.equal(a[-1][0][-1], corpus.validation[-64:].long())
+
+
+def test_validation_batches_tile_the_split(corpus):
+    everything = corpus.validation_batches(batch_size=4, seq_len=64)
+    assert len(everything) == len(corpus.validation) // (4 * 64)
+    val_bytes = corpus.validation.numpy().tobytes()
+    # Non-overlapping windows in order: each is found at or after where the previous ended.
+    position = 0
+    for ids, _ in everything:
+        for row in ids:
+            found = val_bytes.find(bytes(row.tolist()), position)
+            assert found >= position
+            position = found + 64
+
+
+def test_tokenizer_round_trip():
+    tokenizer = ByteTokenizer()
+    text = "def f(x):\n    return 'héllo, wörld ✓'\n"
+    ids = tokenizer.encode(text)
+    assert ids.dtype == torch.long
+    assert len(ids) == len(text.encode("utf-8"))
+    assert int(ids.max()) < tokenizer.vocab_size == 256
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids.tolist()) == text
+    assert tokenizer.decode(tokenizer.encode("")) == ""
+    with pytest.raises(ValueError, match="0, 256"):
+        tokenizer.decode([65, 256])
+
+
+def test_user_directory(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("bravo " * 200)
+    (tmp_path / "a.md").write_text("alpha " * 200)
+    (tmp_path / "sub" / "c.py").write_text("charlie = 1\n" * 100)
+    (tmp_path / "skip.bin").write_bytes(b"\x00\x01" * 50)
+    documents = text_file_documents(tmp_path)
+    assert [doc.name for doc in documents] == ["a.md", "b.txt", "sub/c.py"]
+    assert documents[0].data == b"alpha " * 200
+
+    data = load_corpus(str(tmp_path), val_fraction=0.2)
+    assert len(data.train) + len(data.validation) == 1200 + 1200 + 1200
+    input_ids, labels = next(data.batches("train", batch_size=2, seq_len=16))
+    assert input_ids.shape == (2, 16)
+
+
+def test_user_single_file_falls_back_to_tail_split(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(1000)))
+    data = load_corpus(str(path), val_fraction=0.1)
+    assert data.split_rule == "tail"
+    tokens = path.read_bytes()
+    assert data.train.numpy().tobytes() == tokens[: len(data.train)]
+    assert data.validation.numpy().tobytes() == tokens[len(data.train):]
+    assert len(data.validation) == len(tokens) // 10
+
+
+def test_user_path_is_capped(tmp_path):
+    (tmp_path / "a.txt").write_text("a" * 1000)
+    (tmp_path / "b.txt").write_text("b" * 1000)
+    documents = text_file_documents(tmp_path, max_bytes=1500)
+    assert [doc.data for doc in documents] == [b"a" * 1000, b"b" * 500]
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match="nowhere.*does not exist"):
+        load_corpus(str(missing))
+
+
+def test_directory_without_text_is_a_clear_error(tmp_path):
+    (tmp_path / "image.png").write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="no .txt/.md/.py files"):
+        load_corpus(str(tmp_path))
+
+
+def test_hf_source_without_datasets_is_a_clear_error(monkeypatch):
+    # A None entry in sys.modules makes `import datasets` fail, installed or not.
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ImportError, match="needs the optional package 'datasets'"):
+        load_corpus("hf:wikitext:wikitext-2-raw-v1")
+
+
+def test_too_long_sequences_are_rejected():
+    data = TokenDataset([Document("a", b"x" * 100), Document("b", b"y" * 100)], seed=0)
+    with pytest.raises(ValueError, match="seq_len"):
+        next(data.batches("train", seq_len=1000))
+    with pytest.raises(ValueError, match="split must be"):
+        next(data.batches("test"))
+
+
+def test_default_corpus_is_8_megabytes():
+    data = load_corpus()
+    assert data.source == "stdlib"
+    assert len(data.train) + len(data.validation) == 8_000_000
+    assert data.train.dtype == torch.uint8

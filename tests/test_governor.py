@@ -1,0 +1,222 @@
+import json
+import math
+import random
+
+import pytest
+
+from frugal_kernels.governor import Decision, Governor, optimizer_flops
+
+BUDGET = 1e12
+EVALUATIONS = 100  # evaluations the budget pays for at the default interval
+
+
+def plateau(x):
+    """Falls fast, then is flat to 1e-3 from x = 0.35 on."""
+    return 2.0 + math.exp(-20.0 * x)
+
+
+def steady(x):
+    return 5.0 - 2.0 * x
+
+
+def flattening(x):
+    """Keeps falling over the whole budget, ever more slowly."""
+    return 2.0 + 3.0 / math.sqrt(1.0 + 50.0 * x)
+
+
+def rising(x):
+    """Falls, then goes up: G is negative from x = 0.1 on."""
+    return 3.0 - x if x < 0.1 else 2.9 + x
+
+
+def run(curve, governor=None, noise=0.0, seed=0, intervals=None):
+    """Feed ``curve(flops / BUDGET)`` plus Gaussian noise to a governor until it stops."""
+    governor = governor or Governor(BUDGET)
+    rng = random.Random(seed)
+    intervals = intervals or [BUDGET / EVALUATIONS] * (2 * EVALUATIONS)
+    decisions = []
+    for interval in intervals:
+        governor.add_flops(interval)
+        loss = curve(governor.spent_flops / BUDGET) + rng.gauss(0.0, noise)
+        decisions.append(governor.observe(loss))
+        if decisions[-1].action == "stop":
+            break
+    return decisions
+
+
+class RecordingOptimizer:
+    def __init__(self):
+        self.update_gap = 200
+        self.decisions = []
+
+    def apply_governor(self, decision):
+        self.update_gap = round(self.update_gap * decision.suggestion["update_gap_factor"])
+        self.decisions.append(decision)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stops_on_plateau(seed):
+    decisions = run(plateau, noise=1e-3, seed=seed)
+    last = decisions[-1]
+    assert last.action == "stop"
+    assert not last.reason.startswith("budget exhausted")
+    # Not while the curve still falls (at x = 0.25 spending the rest would buy over 1%)...
+    assert last.flops > 0.3 * BUDGET
+    # ...but well before the budget runs out.
+    assert last.flops < 0.65 * BUDGET
+    assert last.projected_improvement < 0.005
+    assert all(d.action != "stop" for d in decisions[:-1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_does_not_stop_on_steady_fall(seed):
+    decisions = run(steady, noise=1e-3, seed=seed)
+    assert [d.action for d in decisions[:-1]] == ["continue"] * (EVALUATIONS - 1)
+    assert decisions[-1].action == "stop"
+    assert decisions[-1].reason.startswith("budget exhausted")
+    assert decisions[-1].evaluation == EVALUATIONS
+
+
+@pytest.mark.parametrize("curve", [steady, plateau, flattening])
+@pytest.mark.parametrize("seed", range(3))
+def test_stops_when_budget_runs_out(curve, seed):
+    rng = random.Random(seed)
+    intervals = [BUDGET * rng.uniform(0.002, 0.03) for _ in range(2000)]
+    # min_improvement=0: only the budget, never the curve, may stop this run.
+    governor = Governor(BUDGET, min_improvement=0.0)
+    decisions = run(curve, governor, intervals=intervals)
+    last = decisions[-1]
+    assert last.action == "stop" and last.reason.startswith("budget exhausted")
+    assert governor.exhausted and last.remaining_flops <= 0
+    assert all(d.flops < BUDGET for d in decisions[:-1])
+    assert last.flops - BUDGET < intervals[len(decisions) - 1]
+
+
+def test_stops_when_budget_runs_out_before_the_window_fills():
+    governor = Governor(BUDGET, window=5)
+    decisions = run(steady, governor, intervals=[0.4 * BUDGET] * 5)
+    assert [d.action for d in decisions] == ["continue", "continue", "stop"]
+    assert decisions[0].gain_per_flop is None
+
+
+def test_reallocates_before_stopping_and_calls_the_optimizer():
+    optimizer = RecordingOptimizer()
+    governor = Governor(BUDGET)
+    governor.attach(optimizer)
+    decisions = run(flattening, governor, noise=1e-3)
+    reallocations = [d for d in decisions if d.action == "reallocate"]
+    assert decisions[-1].action == "stop"
+    assert reallocations
+    assert reallocations[0].evaluation < decisions[-1].evaluation
+    assert optimizer.decisions == reallocations
+    assert optimizer.update_gap > 200
+    assert reallocations[0].suggestion == {"update_gap_factor": 1.5, "rho_factor": 0.8}
+    # Each reallocation needs the gain per FLOP to have dropped 4x since the last one.
+    gains = [d.gain_per_flop for d in reallocations]
+    assert all(later < 0.25 * earlier for earlier, later in zip(gains, gains[1:]))
+    evaluations = [d.evaluation for d in reallocations]
+    assert all(b - a >= governor.cooldown for a, b in zip(evaluations, evaluations[1:]))
+
+
+def test_cooldown_spaces_reallocations():
+    # A loss that goes up is below any fraction of the first gain at every evaluation.
+    governor = Governor(BUDGET, window=3, cooldown=4, patience=10**6)
+    decisions = run(rising, governor)
+    reallocations = [d.evaluation for d in decisions if d.action == "reallocate"]
+    assert len(reallocations) > 5
+    assert all(b - a == 4 for a, b in zip(reallocations, reallocations[1:]))
+
+
+def test_optimizer_without_apply_governor_is_accepted(caplog):
+    governor = Governor(BUDGET)
+    governor.attach(object())
+    assert "no apply_governor" in caplog.text
+    decisions = run(flattening, governor)
+    assert any(d.action == "reallocate" for d in decisions)
+
+
+def test_gain_per_flop_is_the_least_squares_slope():
+    governor = Governor(BUDGET, window=4)
+    decisions = run(steady, governor, intervals=[BUDGET / 10] * 4)
+    last = decisions[-1]
+    assert last.gain_per_flop == pytest.approx(2.0 / BUDGET)
+    assert last.projected_improvement == pytest.approx(2.0 * 0.6 / steady(0.4))
+    noisy = Governor(BUDGET, window=4)
+    losses = [5.0, 4.0, 4.5, 3.0]
+    for i, loss in enumerate(losses):
+        decision = noisy.observe(loss, flops=(i + 1) * 1e9)
+    # slope of the fit through (1, 5), (2, 4), (3, 4.5), (4, 3) in units of 1e9 FLOPs
+    assert decision.gain_per_flop == pytest.approx(0.55 / 1e9)
+
+
+def test_step_counts_model_and_optimizer_flops():
+    governor = Governor(BUDGET, flops_per_token=1000.0)
+    governor.step(tokens=512, optimizer_flops=optimizer_flops(10_000, "adamw"))
+    governor.step(tokens=512, flops_per_token=2000.0)
+    assert governor.steps == 2
+    assert governor.spent_flops == 512 * 1000 + 12 * 10_000 + 512 * 2000
+    assert governor.observe(3.0).step == 2
+    with pytest.raises(ValueError, match="flops_per_token"):
+        Governor(BUDGET).step(tokens=10)
+
+
+def test_optimizer_flops():
+    assert optimizer_flops(1000, "adamw") == 12_000
+    assert optimizer_flops(1000, "SignSGD") == 3_000
+    assert optimizer_flops(1000, "none") == 0
+    with pytest.raises(ValueError, match="unknown optimizer kind 'lion'"):
+        optimizer_flops(1000, "lion")
+
+
+def test_non_finite_loss_stops():
+    governor = Governor(BUDGET)
+    governor.observe(3.0, flops=1e9)
+    decision = governor.observe(math.nan, flops=2e9)
+    assert decision.action == "stop" and "not finite" in decision.reason
+
+
+def test_invalid_observations_are_rejected():
+    governor = Governor(BUDGET)
+    governor.observe(3.0, flops=1e9)
+    with pytest.raises(ValueError, match="FLOPs must grow"):
+        governor.observe(2.9)
+    with pytest.raises(ValueError, match="must be positive"):
+        governor.observe(0.0, flops=2e9)
+    with pytest.raises(ValueError, match="window"):
+        Governor(BUDGET, window=1)
+
+
+def test_history_is_json_serialisable():
+    governor = Governor(BUDGET)
+    governor.attach(RecordingOptimizer())
+    decisions = run(flattening, governor, noise=1e-3)
+    assert len(governor.history) == len(decisions)
+    restored = json.loads(json.dumps(governor.history))
+    assert restored == [d.to_dict() for d in decisions]
+    assert {h["action"] for h in restored} == {"continue", "reallocate", "stop"}
+    assert Decision(**restored[-1]) == decisions[-1]
+
+
+@pytest.mark.parametrize("curve, settings", [
+    (flattening, {}),
+    (rising, {"window": 3, "cooldown": 4, "patience": 10**6}),
+])
+def test_state_dict_round_trip_resumes_exactly(curve, settings):
+    reference = Governor(BUDGET, **settings)
+    expected = run(curve, reference, noise=1e-3, seed=3)
+    losses = [d.loss for d in expected]
+    interval = BUDGET / EVALUATIONS
+    # Every cut point: the stop streak, the cooldown and the reference gain each matter
+    # at some of them.
+    for cut in range(1, len(losses)):
+        first = Governor(BUDGET, **settings)
+        for loss in losses[:cut]:
+            first.add_flops(interval)
+            first.observe(loss)
+        resumed = Governor(BUDGET, **settings)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        for loss in losses[cut:]:
+            resumed.add_flops(interval)
+            resumed.observe(loss)
+        assert resumed.history == reference.history, cut
+        assert resumed.state_dict() == reference.state_dict(), cut
