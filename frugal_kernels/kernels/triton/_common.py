@@ -1,0 +1,202 @@
+"""What the Triton kernels share: the launch table, the scalars, per-tile helpers.
+
+Every kernel updates a whole list of tensors in one launch. The host packs one
+int64 table per call (``launch_table``)::
+
+    [0, n]          first block of each tensor, then the total: block starts
+    [n + 1, ...)    one record per tensor: addresses and sizes (fields per op)
+    then            the per-call tail: addresses of lr / step and fp64 bit
+                    patterns of hyper-parameters, when the kernel derives its
+                    scalars itself (see below)
+
+Program ``pid`` finds its tensor by a binary search over the block starts
+(``find_tile``) and its tile as ``pid - start``. The table thus grows with the
+number of tensors, not of blocks: LLaMA-130M (model.py preset "130m") has 111
+parameter tensors but 32,761 blocks of 4096, and the table is copied to the
+device at every call.
+
+Scalars: when ``lr`` and ``step`` live on the host, the derived scalars of
+csrc/include/frugal/update_rules.h (``adamw_scalars``, ``sign_scalars``) are
+computed here in double precision, exactly as there, and passed as fp32 kernel
+arguments (Triton rounds a Python float to fp32 to nearest, as the C++ cast
+does). When either lives on the device, reading it on the host would wait for
+the device; the kernel then loads both (as fp64 copies) and derives the same
+scalars in fp64 itself, with ``beta ** step`` computed as
+``exp(step * log(beta))`` (libdevice has no pow for the interpreter to run;
+the two differ by ~1e-15 relative, far below the fp32 rounding of the result).
+
+The kernels use Triton builtins and functions of this package only, not the
+helpers that triton.language itself writes as @triton.jit functions
+(``tl.zeros``, ``tl.cumsum``, ...): whether those are compiled or interpreted
+is decided when triton is first imported, which may be before
+TRITON_INTERPRET is set (torch.compile imports triton), and an interpreted
+kernel cannot call a compiled function. Our own functions follow the
+variable when their module is imported, which the tests control.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+TL_INDEX_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64}
+
+# A pointer on a 16-byte boundary lets Triton load 16 bytes per instruction;
+# torch's allocations are, but a tensor carved out of a flat buffer may not be.
+VECTOR_ALIGNMENT = 16
+
+
+def check_device(device: torch.device) -> None:
+    """The interpreter dereferences the table's raw addresses on the host."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" and device.type != "cpu":
+        raise ValueError("under TRITON_INTERPRET=1 the triton backend of frugal_kernels runs on "
+                         f"CPU tensors only, got tensors on {device}")
+
+
+def aligned(tensors: Sequence[Tensor]) -> bool:
+    return all(t.data_ptr() % VECTOR_ALIGNMENT == 0 for t in tensors)
+
+
+def f64_bits(x: float) -> int:
+    """The bits of a double as a signed int64: how a table carries an fp64 value."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def log_beta(beta: float) -> float:
+    """``log(beta)``, with ``beta ** step = exp(step * log(beta))`` also right for beta = 0."""
+    return math.log(beta) if beta > 0.0 else -math.inf
+
+
+def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  step: float) -> Tuple[float, ...]:
+    """update_rules.h ``adamw_scalars`` in double precision: (decay, 1 - beta1, beta2,
+    1 - beta2, step_size, bc2_sqrt, eps), each rounded to fp32 once, at the launch."""
+    return (1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
+            lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps)
+
+
+def sign_scalars(lr: float, weight_decay: float, scale: float) -> Tuple[float, float]:
+    """update_rules.h ``sign_scalars``: (decay, step) = (1 - lr * wd, lr * scale)."""
+    return 1.0 - lr * weight_decay, lr * scale
+
+
+def scalars_on_device(*scalars: Tensor) -> bool:
+    return any(s.device.type != "cpu" for s in scalars)
+
+
+def device_scalars(scalars: Sequence[Tensor], device: torch.device) -> List[Tensor]:
+    """fp64 copies of ``lr`` / ``step`` on ``device`` for the kernel to read: no host sync.
+
+    The caller keeps them alive until the launch is queued; the caching
+    allocator orders their reuse after the kernel on the same stream.
+    """
+    return [s.detach().reshape(()).to(device=device, dtype=torch.float64) for s in scalars]
+
+
+def launch_table(device: torch.device, numels: Sequence[int], records: Sequence[Sequence[int]],
+                 block: int, tail: Sequence[int] = ()) -> Tuple[Tensor, int]:
+    """The packed int64 table of one launch (layout in the module docstring) and its grid.
+
+    Every tensor must be non-empty: each owns at least one block, which keeps
+    ``find_tile``'s search free of empty ranges.
+    """
+    starts = [0]
+    for n in numels:
+        starts.append(starts[-1] + triton.cdiv(n, block))
+    values = starts + [field for record in records for field in record] + list(tail)
+    if device.type == "cuda":
+        # Pinned memory makes the copy asynchronous; torch's host allocator
+        # keeps the buffer until the copy is done.
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+        return host.to(device, non_blocking=True), starts[-1]
+    return torch.tensor(values, dtype=torch.int64, device=device), starts[-1]
+
+
+@triton.jit
+def find_tile(table, n_tensors):
+    """(tensor, tile) of this program: the last tensor whose first block is <= pid."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = tl.full((), 0, tl.int64)
+    hi = n_tensors.to(tl.int64)
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        right = tl.load(table + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo, pid - tl.load(table + lo)
+
+
+@triton.jit
+def field_ptr(record, field, DTYPE: tl.constexpr):
+    """A table entry that holds an address, as a typed pointer."""
+    return tl.load(record + field).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def tail_f64(tail, i):
+    return tl.load(tail + i).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def tail_scalar(tail, i):
+    """The fp64 device scalar whose address is entry ``i`` of the tail."""
+    return tl.load(tl.load(tail + i).to(tl.pointer_type(tl.float64)))
+
+
+@triton.jit
+def adamw_scalars_in_kernel(lr, step, weight_decay, log_beta1, log_beta2):
+    """The lr- and step-dependent scalars of ``adamw_scalars``, in fp64, rounded to fp32
+    once: (decay, step_size, bc2_sqrt)."""
+    decay = (1.0 - lr * weight_decay).to(tl.float32)
+    step_size = (lr / (1.0 - tl.exp(step * log_beta1))).to(tl.float32)
+    bc2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2)).to(tl.float32)
+    return decay, step_size, bc2_sqrt
+
+
+@triton.jit
+def load_tile(ptr, lane, count, MASKED: tl.constexpr):
+    """Elements ``lane < count`` of a tile as fp32. Full tiles load unmasked, because
+    a mask against a size read from memory stops Triton from vectorising."""
+    if MASKED:
+        x = tl.load(ptr + lane, mask=lane < count, other=0.0)
+    else:
+        x = tl.load(ptr + lane)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def to_param(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even into the parameter dtype.
+
+    bf16 is rounded by hand: the interpreter truncates an fp32 -> bf16 cast, so
+    this is what gives the bits of torch and of the C++ backend (common.h
+    ``from_float<bf16>``) on every backend; it costs a few integer operations
+    in a kernel bound by memory.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        y = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(DTYPE)
+    return y
+
+
+@triton.jit
+def store_tile(ptr, lane, count, x, MASKED: tl.constexpr):
+    """Store fp32 ``x`` into elements ``lane < count`` of a tile of ``ptr``'s dtype."""
+    y = to_param(x, ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(ptr + lane, y, mask=lane < count)
+    else:
+        tl.store(ptr + lane, y)
