@@ -177,26 +177,27 @@ def test_sign_sgd(dtype):
 
 # ---------------------------------------------------------------- frugal_step_
 
-# Shapes per kind: single coordinates, rows and columns cut by tile bounds
-# (BLOCK 2048), rows longer than a tile, a 3-D tensor, an empty tensor. The
-# subset densities cycle so that every kind sees partial, full and empty
-# subsets in one call.
-FRUGAL_SHAPES = {
-    "rows": [(1,), (3, 5), (700, 7), (3, 2500), (2, 3, 50), (0, 4), (4097,), (64, 300)],
-    "columns": [(1,), (3, 5), (700, 7), (3, 2500), (2, 3, 50), (0, 4), (4097,), (64, 300)],
-    "flat": [(1,), (3, 5), (700, 7), (2, 3, 50), (0,), (4097,), (19_200,)],
+# (shape, density) per kind: single coordinates, rows and columns cut at either
+# end by tile bounds (BLOCK 2048), rows longer than a tile, a 3-D tensor, an
+# empty tensor, and empty, partial and full subsets, all in one call.
+FRUGAL_CASES = {
+    "rows": [((1,), 1.0), ((3, 5), 0.0), ((700, 7), 0.5), ((3, 2500), 0.67), ((2, 3, 50), 0.5),
+             ((0, 4), 0.0), ((4097,), 0.3), ((64, 300), 0.3), ((9, 500), 1.0)],
+    "columns": [((1,), 0.0), ((3, 5), 1.0), ((700, 7), 0.43), ((3, 2500), 0.5),
+                ((2, 3, 50), 0.1), ((0, 4), 0.5), ((4097,), 0.3), ((64, 300), 0.05)],
+    "flat": [((1,), 1.0), ((3, 5), 0.0), ((700, 7), 0.5), ((2, 3, 50), 0.1), ((0,), 0.0),
+             ((4097,), 0.99), ((19_200,), 0.3)],
 }
-DENSITIES = [0.3, 1.0, 0.0, 0.5, 0.05]
 
 
 def check_frugal(kind, dtype, index_dtype, state_free):
     gen = torch.Generator().manual_seed(0)
-    shapes = FRUGAL_SHAPES[kind]
+    shapes = [shape for shape, _ in FRUGAL_CASES[kind]]
     params = [randn(s, dtype, gen) for s in shapes]
     indices = []
-    for i, p in enumerate(params):
+    for p, (_, density) in zip(params, FRUGAL_CASES[kind]):
         n = subset_dim(p, kind)
-        k = round(n * DENSITIES[i % len(DENSITIES)])
+        k = round(n * density)
         indices.append(torch.randperm(n, generator=gen)[:k].sort().values.to(index_dtype))
     exp_avgs = [torch.zeros(state_shape(p, kind, idx.numel())) for p, idx in zip(params, indices)]
 
@@ -209,8 +210,11 @@ def check_frugal(kind, dtype, index_dtype, state_free):
                 lambda: [randn(s, dtype, gen) for s in shapes], update)
 
 
-@pytest.mark.parametrize("state_free", ["sign", "sgd", "none"])
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+# Every kind sees both index dtypes and the three state-free rules (the full
+# product would double the time under the interpreter for no new code path).
+@pytest.mark.parametrize("index_dtype, state_free", [
+    (torch.int32, "sign"), (torch.int64, "sign"), (torch.int64, "sgd"), (torch.int32, "none")],
+    ids=str)
 @pytest.mark.parametrize("kind", ["rows", "columns", "flat"])
 def test_frugal_step(kind, index_dtype, state_free):
     check_frugal(kind, torch.float32, index_dtype, state_free)
@@ -253,6 +257,30 @@ def test_sign_trajectory():
     assert differ <= 0.01, f"{differ:.2%} of the coordinates left the reference trajectory"
     if _cpu_backend_available():
         assert_same_bits([ours], [run("cpu")], "params vs cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@needs_cpu
+def test_special_values(dtype):
+    """NaN, infinities, signed zeros, subnormals and overflow give the cpu backend's bits."""
+    nan, inf = float("nan"), float("inf")
+    p0 = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-40, -1e-40, 6e4, 2.0, 0.5, 1e-3])
+    g = torch.tensor([nan, inf, -inf, 0.0, -0.0, 1e-40, 3e38, -1e-3, 1.0, nan, 1e-39, -2.0])
+    g = g.to(dtype)
+    outs = {}
+    for backend in ("triton", "cpu"):
+        p, q, r = (p0.to(dtype) for _ in range(3))
+        m, v, fm, fv = torch.zeros(12), torch.zeros(12), torch.zeros(4), torch.zeros(4)
+        ops.adamw_([p], [g], [m], [v], lr=1e-2, step=1, backend=backend, **HYPER)
+        ops.sign_sgd_([q], [g], lr=1e-2, weight_decay=0.1, backend=backend)
+        ops.frugal_step_([r], [g], [fm], [fv], [torch.tensor([0, 1, 5, 9])], kind="flat", lr=1e-2,
+                         step=1, state_free="sgd", backend=backend, **HYPER)
+        outs[backend] = (p, m, v, q, r, fm, fv)
+    for name, a, b in zip(("adamw p", "m", "v", "sign_sgd p", "frugal p", "frugal m",
+                           "frugal v"), outs["triton"], outs["cpu"]):
+        assert_same_bits([a], [b], name)
 
 
 # ---------------------------------------------------------------- scalars read by the kernel

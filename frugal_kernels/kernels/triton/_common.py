@@ -163,6 +163,20 @@ def adamw_scalars_in_kernel(lr, step, weight_decay, log_beta1, log_beta2):
 
 
 @triton.jit
+def from_param(x):
+    """A value of the parameter dtype as fp32, exactly.
+
+    bf16 is widened by hand (a 16-bit shift, which is all the conversion is):
+    the interpreter's cast turns bf16 subnormals into zeros.
+    """
+    if x.dtype == tl.bfloat16:
+        y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
 def load_tile(ptr, lane, count, MASKED: tl.constexpr):
     """Elements ``lane < count`` of a tile as fp32. Full tiles load unmasked, because
     a mask against a size read from memory stops Triton from vectorising."""
@@ -170,7 +184,7 @@ def load_tile(ptr, lane, count, MASKED: tl.constexpr):
         x = tl.load(ptr + lane, mask=lane < count, other=0.0)
     else:
         x = tl.load(ptr + lane)
-    return x.to(tl.float32)
+    return from_param(x)
 
 
 @triton.jit
@@ -179,8 +193,8 @@ def to_param(x, DTYPE: tl.constexpr):
 
     bf16 is rounded by hand: the interpreter truncates an fp32 -> bf16 cast, so
     this is what gives the bits of torch and of the C++ backend (common.h
-    ``from_float<bf16>``) on every backend; it costs a few integer operations
-    in a kernel bound by memory.
+    ``from_float<bf16>``, NaN as 0x7FC0) on every backend; it costs a few
+    integer operations in a kernel bound by memory.
     """
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
     TL_DTYPES, TL_INDEX_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, check_device,
-    device_scalars, f64_bits, field_ptr, find_tile, launch_table, load_tile, log_beta,
+    device_scalars, f64_bits, field_ptr, find_tile, from_param, launch_table, load_tile, log_beta,
     scalars_on_device, sign_scalars, store_tile, tail_f64, tail_scalar, to_param)
 from frugal_kernels.kernels.triton.adamw import adamw_update
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
@@ -141,8 +141,8 @@ def _frugal_tile(p_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, a, count, C, k, decay, one
         free = (lane < count) & ~is_member
         tl.store(p_ptr + lane, to_param(state_free_update(p, g, decay, sf_step, STATE_FREE),
                                         p_ptr.dtype.element_ty), mask=free)
-        mp = tl.load(p_ptr + position, mask=listed, other=0.0).to(tl.float32)
-        mg = tl.load(g_ptr + position, mask=listed, other=0.0).to(tl.float32)
+        mp = from_param(tl.load(p_ptr + position, mask=listed, other=0.0))
+        mg = from_param(tl.load(g_ptr + position, mask=listed, other=0.0))
         m = tl.load(m_ptr + lane, mask=listed)
         v = tl.load(v_ptr + lane, mask=listed)
         mp, m, v = adamw_update(mp, mg, m, v, decay, one_minus_beta1, beta2, one_minus_beta2,
