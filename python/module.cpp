@@ -129,6 +129,19 @@ PYBIND11_MODULE(_C, m) {
                            StateFree(mode), num_threads);
         });
 
+  m.def("lowrank_step_cpu",
+        [](const Addresses& p, const Addresses& g, const Addresses& up_updates,
+           const Addresses& up_grads, Sizes numel, int dtype, double lr, double wd, double scale,
+           int mode, int num_threads) {
+          const Batch b(p, g, {}, {}, std::move(numel));
+          std::vector<const float*> uu, ug;
+          for (uintptr_t a : up_updates) uu.push_back(reinterpret_cast<const float*>(a));
+          for (uintptr_t a : up_grads) ug.push_back(reinterpret_cast<const float*>(a));
+          py::gil_scoped_release nogil;
+          cpu::lowrank_step(b.view(), uu.data(), ug.data(), DType(dtype), lr, wd, scale,
+                            StateFree(mode), num_threads);
+        });
+
 #ifdef FK_WITH_CUDA
   m.def("adamw_cuda",
         [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
