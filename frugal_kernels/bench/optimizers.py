@@ -32,8 +32,10 @@ def torch_state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 class PaperStyleFRUGAL(torch.optim.Optimizer):
-    """Blockwise FRUGAL as the paper's code steps it: a Python loop over
-    parameters with 4 to 10 small tensor ops each. A timing baseline only."""
+    """Blockwise FRUGAL stepped the way the paper's code steps it (the op
+    sequence of fzmushko/FRUGAL's ProjOptimizer.step and AdamW._compute_update):
+    a Python loop over parameters, each a string of small tensor ops that build
+    the update in temporaries. A timing baseline only."""
 
     def __init__(self, groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  density=0.25):
@@ -52,7 +54,7 @@ class PaperStyleFRUGAL(torch.optim.Optimizer):
                 state = self.state[p]
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 if not state.get("active", True):
-                    p.add_(torch.sign(p.grad), alpha=-group["lr"])
+                    p.add_(-group["lr"] * p.grad.sign())
                     continue
                 if "exp_avg" not in state:
                     state["step"] = 0
@@ -60,10 +62,13 @@ class PaperStyleFRUGAL(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
                 m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                denom = v.sqrt().div_((1 - beta2 ** state["step"]) ** 0.5).add_(group["eps"])
-                p.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** state["step"]))
+                m.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
+                denom = v.sqrt()
+                step_size = group["lr"] / (1.0 - beta1 ** state["step"])
+                denom.div_((1.0 - beta2 ** state["step"]) ** 0.5)
+                denom.add_(group["eps"])
+                p.add_(m / denom * (-step_size))
 
 
 def _all_projected(model):
