@@ -6,10 +6,10 @@ launches, so every index, chunking and vector-path decision of the kernels is
 checked here without a GPU. Both sides apply the same update rules in the same
 order of operations, so params and states must be *equal*, not close.
 
-The sizes below are chosen around the kernels' constants (csrc/cuda/*.cuh);
-the tests that must cross a launch limit assert the number of launches the
-emulator reports, so that they fail rather than silently stop covering it
-when a constant changes.
+The sizes are chosen around the kernels' constants (cuda_cases.py); the tests
+that must cross a launch limit assert the number of launches the emulator
+reports, so that they fail rather than silently stop covering it when a
+constant changes.
 """
 
 import shutil
@@ -20,55 +20,26 @@ import torch
 import frugal_kernels
 from frugal_kernels._extension import extension
 from frugal_kernels.ops._common import DTYPE_CODES
-from frugal_kernels.ops.frugal_step import matrix_view, state_shape
+from frugal_kernels.ops.frugal_step import matrix_view
+
+from cuda_cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, MAX_BLOCKS,
+                        MAX_TENSORS, SIZES, STATE_FREE_RULES, STEP, TILE, WD, adamw_data,
+                        assert_equal, frugal_data, placed, sign_sgd_data)
 
 _C = extension()
 pytestmark = pytest.mark.skipif(_C is None, reason="frugal_kernels._C is not built")
 
-# csrc/cuda: elements per block of adamw_ / sign_sgd_, positions per tile and
-# per block of frugal_step_, and the launch limits.
-CHUNK = 16384
-TILE = 2048
-MAX_BLOCKS = 320
-MAX_TENSORS = {"adamw": 36, "sign_sgd": 64, "frugal_step": 24}
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-LR, BETA1, BETA2, EPS, WD, STEP = 1e-2, 0.9, 0.999, 1e-8, 0.1, 3.0
-STATE_FREE = {"sign": 0, "sgd": 1, "none": 2}
+STATE_FREE_CODES = {rule: code for code, rule in enumerate(STATE_FREE_RULES)}
 
 
 def addresses(tensors):
     return [t.data_ptr() for t in tensors]
 
 
-def placed(values, *, misaligned=False):
-    """A copy of ``values`` whose data starts 16-byte aligned, or one element
-    past it, so that the kernels' 16-byte vector path is or is not taken."""
-    n = values.numel()
-    base = torch.empty(n + 16, dtype=values.dtype)
-    assert base.data_ptr() % 16 == 0, "torch's CPU allocator should align to 64 bytes"
-    offset = 1 if misaligned else 0
-    out = base[offset:offset + n].view(values.shape)
-    out.copy_(values)
-    assert (out.data_ptr() % 16 == 0) != misaligned
-    return out
-
-
-def grads_like(shape, dtype, gen):
-    g = torch.randn(shape, generator=gen)
-    # Exact zeros: sign(0) = 0 must agree too.
-    g[torch.rand(shape, generator=gen) < 0.05] = 0.0
-    return g.to(dtype)
-
-
-def assert_equal(name, got, want):
-    for i, (a, b) in enumerate(zip(got, want)):
-        if not torch.equal(a, b):
-            bad = (a != b).nonzero()
-            raise AssertionError(f"{name}[{i}] (shape {tuple(a.shape)}, {a.dtype}): "
-                                 f"{len(bad)} elements differ, first at {bad[0].tolist()}: "
-                                 f"emulated {a[tuple(bad[0])].item()!r} vs cpu "
-                                 f"{b[tuple(bad[0])].item()!r}")
+def placed_lists(data, names, misaligned):
+    """The lists of ``data`` placed in memory, those named in ``misaligned``
+    one element past 16-byte alignment."""
+    return [[placed(t, misaligned=name in misaligned) for t in ts] for name, ts in zip(names, data)]
 
 
 def launches_for(numels, chunk, max_tensors):
@@ -93,17 +64,9 @@ def launches_for(numels, chunk, max_tensors):
 
 class AdamWCase:
     def __init__(self, numels, dtype, *, seed=0, misaligned=(), maximize=False):
-        gen = torch.Generator().manual_seed(seed)
         self.numels, self.dtype, self.maximize = list(numels), dtype, maximize
-        lists = {"p": [], "g": [], "m": [], "v": []}
-        for n in numels:
-            values = {"p": torch.randn(n, generator=gen).to(dtype),
-                      "g": grads_like(n, dtype, gen),
-                      "m": 0.1 * torch.randn(n, generator=gen),
-                      "v": 0.01 * torch.rand(n, generator=gen)}
-            for name, value in values.items():
-                lists[name].append(placed(value, misaligned=name in misaligned))
-        self.p, self.g, self.m, self.v = lists["p"], lists["g"], lists["m"], lists["v"]
+        self.p, self.g, self.m, self.v = placed_lists(adamw_data(numels, dtype, seed), "pgmv",
+                                                      misaligned)
 
     def run_cpu(self):
         p, m, v = ([t.clone() for t in ts] for ts in (self.p, self.m, self.v))
@@ -124,9 +87,6 @@ class AdamWCase:
                                 want):
             assert_equal(name, got, w)
         return launches
-
-
-SIZES = [1, 7, TILE - 1, TILE, TILE + 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 40001]
 
 
 @pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
@@ -163,10 +123,10 @@ def test_adamw_more_blocks_than_one_launch_holds():
     assert launches == launches_for(numels, CHUNK, MAX_TENSORS["adamw"]) == 2
 
 
-# lr and step as float32, what a device tensor holds.
+# lr and step as float32, what a device tensor holds (both exactly).
 LR32 = torch.tensor(LR, dtype=torch.float32)
 STEP32 = torch.tensor(STEP, dtype=torch.float32)
-BY_VALUE = {"lr": float(LR32), "step": float(STEP32)}
+BY_VALUE = {"lr": LR, "step": STEP}
 
 
 def by_pointer(which):
@@ -195,11 +155,8 @@ def test_adamw_device_scalars(which):
 
 class SignSgdCase:
     def __init__(self, numels, dtype, *, seed=0, misaligned=()):
-        gen = torch.Generator().manual_seed(seed)
         self.numels, self.dtype = list(numels), dtype
-        self.p = [placed(torch.randn(n, generator=gen).to(dtype), misaligned="p" in misaligned)
-                  for n in numels]
-        self.g = [placed(grads_like(n, dtype, gen), misaligned="g" in misaligned) for n in numels]
+        self.p, self.g = placed_lists(sign_sgd_data(numels, dtype, seed), "pg", misaligned)
 
     def run_emulated(self, lr=LR, lr_ptr=0):
         return _C.sign_sgd_cuda_emulated(addresses(self.p), addresses(self.g), self.numels,
@@ -244,44 +201,12 @@ def test_sign_sgd_device_lr():
 
 # ----------------------------------------------------------- frugal_step_
 
-# Shapes per kind, each with a subset size: a fraction of the rows, columns or
-# coordinates it picks from, 0 (no state-full coordinate) or 1 (all).
-FRUGAL_SHAPES = {
-    # C > 1 not dividing TILE, C = TILE, C > TILE, C dividing TILE, a single row
-    "rows": [((37, 300), 0.3), ((3, 700), 0.5), ((8, TILE), 0.4), ((5, 5000), 0.4),
-             ((40, 512), 0.25), ((1, 7), 1.0), ((20, 5000), 0.3), ((6, 33), 0.0),
-             ((9, 250), 1.0)],
-    # C < TILE, C > TILE, C = TILE, C = TILE + 1, a single column
-    "columns": [((300, 77), 0.3), ((3, 4500), 0.2), ((20, TILE), 0.1), ((7, TILE + 1), 0.5),
-                ((50, 513), 0.25), ((40, 1), 1.0), ((10, 100), 0.0), ((13, 40), 1.0),
-                ((2, 3, 700), 0.3)],
-    # C = 1: sizes around TILE and the block's chunk
-    "flat": [((1,), 1.0), ((7,), 0.5), ((TILE - 1,), 0.3), ((TILE,), 0.3), ((TILE + 1,), 0.3),
-             ((CHUNK + 1,), 0.25), ((40000,), 0.1), ((3000,), 0.0), ((2500,), 1.0)],
-}
-
-
-def subset(dim, fraction, index_dtype, gen):
-    k = round(dim * fraction)
-    return torch.randperm(dim, generator=gen)[:k].sort().values.to(index_dtype)
-
-
 class FrugalCase:
     def __init__(self, kind, shapes, dtype, index_dtype, *, mode="sign", seed=0,
                  misaligned=()):
-        gen = torch.Generator().manual_seed(seed)
         self.kind, self.dtype, self.index_dtype, self.mode = kind, dtype, index_dtype, mode
-        self.p, self.g, self.m, self.v, self.idx = [], [], [], [], []
-        for shape, fraction in shapes:
-            p = placed(torch.randn(shape, generator=gen).to(dtype), misaligned="p" in misaligned)
-            dim = {"rows": shape[0], "columns": shape[-1]}.get(kind, p.numel())
-            idx = subset(dim, fraction, index_dtype, gen)
-            sshape = state_shape(p, kind, idx.numel())
-            self.p.append(p)
-            self.g.append(placed(grads_like(shape, dtype, gen), misaligned="g" in misaligned))
-            self.m.append(0.1 * torch.randn(sshape, generator=gen))
-            self.v.append(0.01 * torch.rand(sshape, generator=gen))
-            self.idx.append(idx)
+        data = frugal_data(kind, shapes, dtype, index_dtype, seed)
+        self.p, self.g, self.m, self.v, self.idx = placed_lists(data, "pgmvi", misaligned)
 
     def args(self, p, m, v):
         views = [matrix_view(t, self.kind) for t in self.p]
@@ -293,12 +218,12 @@ class FrugalCase:
     def run_cpu(self):
         p, m, v = ([t.clone() for t in ts] for ts in (self.p, self.m, self.v))
         _C.frugal_step_cpu(*self.args(p, m, v), LR, BETA1, BETA2, EPS, WD, STEP, 0.5,
-                           STATE_FREE[self.mode], torch.get_num_threads())
+                           STATE_FREE_CODES[self.mode], torch.get_num_threads())
         return p, m, v
 
     def run_emulated(self, lr=LR, step=STEP, lr_ptr=0, step_ptr=0):
         return _C.frugal_step_cuda_emulated(*self.args(self.p, self.m, self.v), lr, BETA1, BETA2,
-                                            EPS, WD, step, 0.5, STATE_FREE[self.mode], lr_ptr,
+                                            EPS, WD, step, 0.5, STATE_FREE_CODES[self.mode], lr_ptr,
                                             step_ptr)
 
     def check(self):
@@ -315,7 +240,7 @@ class FrugalCase:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", list(FRUGAL_SHAPES))
 def test_frugal_step(kind, dtype, index_dtype, misaligned):
-    for seed, mode in enumerate(STATE_FREE):
+    for seed, mode in enumerate(STATE_FREE_RULES):
         case = FrugalCase(kind, FRUGAL_SHAPES[kind], dtype, index_dtype, mode=mode, seed=seed,
                           misaligned=misaligned)
         assert case.check() == 1

@@ -8,7 +8,8 @@ namespace cuda {
 namespace {
 
 template <typename T>
-__global__ void __launch_bounds__(kAdamWThreads) adamw_kernel(const AdamWMeta meta, const AdamWArgs args) {
+__global__ void __launch_bounds__(kAdamWThreads) adamw_kernel(const AdamWMeta meta,
+                                                              const AdamWArgs args) {
   adamw_thread<T>(meta, args, int(blockIdx.x), int(threadIdx.x), kAdamWThreads);
 }
 

@@ -27,7 +27,8 @@ void each_thread(int threads, Phase&& phase) {
 
 }  // namespace
 
-int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const cuda::DeviceScalars& d) {
+int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
+              const cuda::DeviceScalars& d) {
   const cuda::AdamWArgs args = cuda::adamw_args(h, d);
   int64_t launches = 0;
   cuda::with_param_type(dtype, [&](auto tag) {
@@ -64,7 +65,7 @@ int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, c
                     double state_free_scale, StateFree mode, const cuda::DeviceScalars& d) {
   const cuda::FrugalArgs args = cuda::frugal_args(sub, h, state_free_scale, mode, d);
   int64_t launches = 0;
-  cuda::with_frugal_types(dtype, sub.index_is_int32, mode, [&](auto tag, auto index, auto mode_tag) {
+  const auto run = [&](auto tag, auto index, auto mode_tag) {
     using Block = cuda::FrugalBlock<decltype(tag), decltype(index), decltype(mode_tag)::value>;
     launches = cuda::plan_frugal_step(t, sub, [&](const cuda::FrugalMeta& meta, int blocks) {
       for (int b = 0; b < blocks; ++b) {
@@ -77,7 +78,8 @@ int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, c
                          [&](auto&& phase) { each_thread(cuda::kFrugalThreads, phase); });
       }
     });
-  });
+  };
+  cuda::with_frugal_types(dtype, sub.index_is_int32, mode, run);
   return launches;
 }
 

@@ -60,8 +60,8 @@ inline FrugalArgs frugal_args(const SubsetBatch& sub, const AdamWHyper& h, doubl
 FK_HOST_DEVICE cpu::FrugalScalars resolve(const FrugalArgs& a) {
   if (!on_device(a.device)) return a.scalars;
   const AdamWHyper h = resolve_hyper(a.hyper, a.device);
-  return cpu::FrugalScalars{adamw_scalars(h), sign_scalars(h.lr, h.weight_decay, a.state_free_scale),
-                            a.scalars.mode};
+  return cpu::FrugalScalars{adamw_scalars(h),
+                            sign_scalars(h.lr, h.weight_decay, a.state_free_scale), a.scalars.mode};
 }
 
 // A block's shared memory (8.3 KB).

@@ -60,7 +60,7 @@ int64_t plan_launches(int64_t count, const int64_t* numel, int64_t chunk, Fill&&
       ++blocks;
       const bool last_chunk = c + 1 == chunks;
       if (blocks == Meta::kMaxBlocks || (last_chunk && tensors == Meta::kMaxTensors)) {
-        launch(static_cast<const Meta&>(meta), blocks);
+        launch(meta, blocks);
         ++launches;
         blocks = 0;
         tensors = 0;
@@ -73,7 +73,7 @@ int64_t plan_launches(int64_t count, const int64_t* numel, int64_t chunk, Fill&&
     }
   }
   if (blocks > 0) {
-    launch(static_cast<const Meta&>(meta), blocks);
+    launch(meta, blocks);
     ++launches;
   }
   return launches;

@@ -29,7 +29,8 @@ struct SignSgdArgs {
 static_assert(sizeof(SignSgdMeta) + sizeof(SignSgdArgs) <= kMaxParamBytes,
               "sign_sgd_ kernel parameters exceed 4 KB");
 
-inline SignSgdArgs sign_sgd_args(double lr, double weight_decay, double scale, const DeviceScalars& d) {
+inline SignSgdArgs sign_sgd_args(double lr, double weight_decay, double scale,
+                                 const DeviceScalars& d) {
   return SignSgdArgs{sign_scalars(lr, weight_decay, scale), weight_decay, scale, d.lr};
 }
 
