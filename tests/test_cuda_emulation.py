@@ -12,6 +12,7 @@ reports, so that they fail rather than silently stop covering it when a
 constant changes.
 """
 
+import os
 import shutil
 
 import pytest
@@ -285,6 +286,8 @@ def test_frugal_step_device_scalars(which):
 def test_cuda_kernels_are_built_where_nvcc_is():
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the CUDA kernels are not expected in this build")
+    if os.environ.get("FRUGAL_CUDA") == "0":
+        pytest.skip("FRUGAL_CUDA=0: the CUDA kernels were switched off")
     info = frugal_kernels.build_info()
     assert info["cuda"], (
         "nvcc is on PATH but frugal_kernels._C was built without the CUDA kernels: rebuild with "

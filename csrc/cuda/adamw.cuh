@@ -29,16 +29,14 @@ static_assert(sizeof(AdamWMeta) + sizeof(AdamWArgs) <= kMaxParamBytes,
 template <typename T>
 FK_HOST_DEVICE void adamw_thread(const AdamWMeta& meta, const AdamWArgs& args, int block, int tid,
                                  int nthreads) {
-  const int slot = meta.block_tensor[block];
-  const int64_t begin = int64_t(meta.block_chunk[block]) * kAdamWChunk;
-  const int64_t left = meta.numel[slot] - begin;
-  const int64_t n = left < kAdamWChunk ? left : kAdamWChunk;
-  T* p = static_cast<T*>(meta.params[slot]) + begin;
-  const T* g = static_cast<const T*>(meta.grads[slot]) + begin;
-  float* m = meta.exp_avgs[slot] + begin;
-  float* v = meta.exp_avg_sqs[slot] + begin;
-  const bool aligned = aligned16(meta.params[slot]) && aligned16(meta.grads[slot]) &&
-                       aligned16(meta.exp_avgs[slot]) && aligned16(meta.exp_avg_sqs[slot]);
+  const BlockRange r = meta.range(block, kAdamWChunk);
+  const int64_t n = r.end - r.begin;
+  T* p = static_cast<T*>(meta.params[r.slot]) + r.begin;
+  const T* g = static_cast<const T*>(meta.grads[r.slot]) + r.begin;
+  float* m = meta.exp_avgs[r.slot] + r.begin;
+  float* v = meta.exp_avg_sqs[r.slot] + r.begin;
+  const bool aligned = aligned16(meta.params[r.slot]) && aligned16(meta.grads[r.slot]) &&
+                       aligned16(meta.exp_avgs[r.slot]) && aligned16(meta.exp_avg_sqs[r.slot]);
   const AdamWScalars s = resolve(args);
   for (int64_t round = 0; round < n; round += round_size(nthreads)) {
     const Fragment f = fragment(round, n, aligned, tid, nthreads);

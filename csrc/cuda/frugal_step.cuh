@@ -87,15 +87,15 @@ struct FrugalBlock {
   cpu::FrugalScalars s;
 
   FK_HOST_DEVICE FrugalBlock(const FrugalMeta& meta, const FrugalArgs& args, int block) {
-    const int slot = meta.block_tensor[block];
-    p = static_cast<T*>(meta.params[slot]);
-    g = static_cast<const T*>(meta.grads[slot]);
-    m = meta.exp_avgs[slot];
-    v = meta.exp_avg_sqs[slot];
-    idx = static_cast<const Index*>(meta.indices[slot]);
-    shape = SubsetShape{args.kind, meta.rows[slot], meta.cols[slot], meta.k[slot]};
-    begin = int64_t(meta.block_chunk[block]) * kFrugalChunk;
-    end = begin + kFrugalChunk < meta.numel[slot] ? begin + kFrugalChunk : meta.numel[slot];
+    const BlockRange r = meta.range(block, kFrugalChunk);
+    p = static_cast<T*>(meta.params[r.slot]);
+    g = static_cast<const T*>(meta.grads[r.slot]);
+    m = meta.exp_avgs[r.slot];
+    v = meta.exp_avg_sqs[r.slot];
+    idx = static_cast<const Index*>(meta.indices[r.slot]);
+    shape = SubsetShape{args.kind, meta.rows[r.slot], meta.cols[r.slot], meta.k[r.slot]};
+    begin = r.begin;
+    end = r.end;
     tiles = int((end - begin + kFrugalTile - 1) / kFrugalTile);
     // m and v are indexed per member, never as vectors.
     aligned = aligned16(p) && aligned16(g);

@@ -23,6 +23,13 @@ namespace cuda {
 // toolkits raise it only with newer drivers, so the structs stay under it.
 constexpr size_t kMaxParamBytes = 4096;
 
+// The elements [begin, end) of the tensor in table slot `slot` that a block owns.
+struct BlockRange {
+  int slot;
+  int64_t begin;
+  int64_t end;
+};
+
 // The part of a launch's parameter that the planner fills; each op's struct
 // derives from it and adds its per-tensor pointers (filled by the op).
 template <int MaxTensors, int MaxBlocks>
@@ -34,6 +41,13 @@ struct LaunchMap {
   int64_t numel[MaxTensors];
   uint8_t block_tensor[MaxBlocks];  // slot in the tensor table
   int32_t block_chunk[MaxBlocks];   // chunk of that tensor
+
+  FK_HOST_DEVICE BlockRange range(int block, int64_t chunk) const {
+    const int slot = block_tensor[block];
+    const int64_t begin = int64_t(block_chunk[block]) * chunk;
+    const int64_t end = begin + chunk < numel[slot] ? begin + chunk : numel[slot];
+    return BlockRange{slot, begin, end};
+  }
 };
 
 // Packs the chunks of tensors [0, count) (numel[i] elements each; empty ones

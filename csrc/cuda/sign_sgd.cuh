@@ -37,13 +37,11 @@ inline SignSgdArgs sign_sgd_args(double lr, double weight_decay, double scale,
 template <typename T>
 FK_HOST_DEVICE void sign_sgd_thread(const SignSgdMeta& meta, const SignSgdArgs& args, int block,
                                     int tid, int nthreads) {
-  const int slot = meta.block_tensor[block];
-  const int64_t begin = int64_t(meta.block_chunk[block]) * kSignSgdChunk;
-  const int64_t left = meta.numel[slot] - begin;
-  const int64_t n = left < kSignSgdChunk ? left : kSignSgdChunk;
-  T* p = static_cast<T*>(meta.params[slot]) + begin;
-  const T* g = static_cast<const T*>(meta.grads[slot]) + begin;
-  const bool aligned = aligned16(meta.params[slot]) && aligned16(meta.grads[slot]);
+  const BlockRange r = meta.range(block, kSignSgdChunk);
+  const int64_t n = r.end - r.begin;
+  T* p = static_cast<T*>(meta.params[r.slot]) + r.begin;
+  const T* g = static_cast<const T*>(meta.grads[r.slot]) + r.begin;
+  const bool aligned = aligned16(meta.params[r.slot]) && aligned16(meta.grads[r.slot]);
   const SignScalars s = args.lr != nullptr
                             ? sign_scalars(double(*args.lr), args.weight_decay, args.scale)
                             : args.scalars;
