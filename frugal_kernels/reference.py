@@ -15,7 +15,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_", "sign_sgd_", "frugal_step_"]
+__all__ = ["adamw_", "sign_sgd_", "frugal_step_", "lowrank_step_"]
+
+# Sides of a low-rank projection (frugal_kernels.optim.subspace): RIGHT maps
+# G [m, n] to G @ P^T with P [r, n]; LEFT maps it to P^T @ G with P [m, r].
+RIGHT, LEFT = 0, 1
 
 
 @torch.no_grad()
@@ -128,3 +132,38 @@ def frugal_step_(
         else:
             new_p.view(-1)[idx] = full_p
         p.copy_(new_p)
+
+
+@torch.no_grad()
+def lowrank_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    low_updates: Sequence[Tensor],
+    low_grads: Sequence[Tensor],
+    projections: Sequence[Tensor],
+    sides: Sequence[int],
+    *,
+    lr: float,
+    weight_decay: float,
+    state_free: str = "sign",
+    state_free_scale: float = 1.0,
+) -> None:
+    """The weight update of a low-rank FRUGAL step.
+
+    Each param is seen as a matrix [m, n] = [shape[0], rest]. With ``up`` the
+    back-projection (``x @ P`` for side RIGHT, ``P @ x`` for LEFT):
+    ``p = p * (1 - lr * weight_decay) - lr * state_free_scale * rule(g - up(low_grad))
+    + up(low_update)``, where ``low_grad = P^T g`` is the projected gradient and
+    ``low_update`` the (already lr-scaled) AdamW update in the subspace.
+    """
+    for p, g, u, lg, proj, side in zip(params, grads, low_updates, low_grads, projections, sides):
+        m = p.shape[0]
+        p32, g32 = p.float().reshape(m, -1), g.float().reshape(m, -1)
+
+        def up(x: Tensor) -> Tensor:
+            return x @ proj if side == RIGHT else proj @ x
+
+        residual = g32 - up(lg)
+        new_p = _state_free_update(p32, residual, lr=lr, weight_decay=weight_decay,
+                                   scale=state_free_scale, state_free=state_free) + up(u)
+        p.copy_(new_p.reshape(p.shape))

@@ -129,6 +129,58 @@ PYBIND11_MODULE(_C, m) {
                            StateFree(mode), num_threads);
         });
 
+  m.def("lowrank_step_cpu",
+        [](const Addresses& p, const Addresses& g, const Addresses& up_updates,
+           const Addresses& up_grads, Sizes numel, int dtype, double lr, double wd, double scale,
+           int mode, int num_threads) {
+          const Batch b(p, g, {}, {}, std::move(numel));
+          std::vector<const float*> uu, ug;
+          for (uintptr_t a : up_updates) uu.push_back(reinterpret_cast<const float*>(a));
+          for (uintptr_t a : up_grads) ug.push_back(reinterpret_cast<const float*>(a));
+          py::gil_scoped_release nogil;
+          cpu::lowrank_step(b.view(), uu.data(), ug.data(), DType(dtype), lr, wd, scale,
+                            StateFree(mode), num_threads);
+        });
+
+  // The CUDA kernels emulated on the host, for tests: the arguments of the
+  // *_cuda functions without the stream; lr_ptr / step_ptr are host
+  // addresses of float32 values (0: use lr / step). Each returns the number
+  // of launches made.
+  m.def("adamw_cuda_emulated",
+        [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
+           Sizes numel, int dtype, double lr, double beta1, double beta2, double eps, double wd,
+           double step, bool maximize, uintptr_t lr_ptr, uintptr_t step_ptr) {
+          const Batch b(p, g, em, ev, std::move(numel));
+          py::gil_scoped_release nogil;
+          return cuda_emulated::adamw(b.view(), DType(dtype),
+                                      hyper(lr, beta1, beta2, eps, wd, step, maximize),
+                                      device_scalars(lr_ptr, step_ptr));
+        });
+
+  m.def("sign_sgd_cuda_emulated",
+        [](const Addresses& p, const Addresses& g, Sizes numel, int dtype, double lr, double wd,
+           double scale, uintptr_t lr_ptr) {
+          const Batch b(p, g, {}, {}, std::move(numel));
+          py::gil_scoped_release nogil;
+          return cuda_emulated::sign_sgd(b.view(), DType(dtype), lr, wd, scale,
+                                         device_scalars(lr_ptr, 0));
+        });
+
+  m.def("frugal_step_cuda_emulated",
+        [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
+           Sizes numel, const Addresses& idx, Sizes rows, Sizes cols, Sizes k, int kind,
+           bool index_is_int32, int dtype, double lr, double beta1, double beta2, double eps,
+           double wd, double step, double state_free_scale, int mode, uintptr_t lr_ptr,
+           uintptr_t step_ptr) {
+          const Batch b(p, g, em, ev, std::move(numel));
+          const Subsets s(idx, std::move(rows), std::move(cols), std::move(k), kind, index_is_int32);
+          py::gil_scoped_release nogil;
+          return cuda_emulated::frugal_step(b.view(), s.view(), DType(dtype),
+                                            hyper(lr, beta1, beta2, eps, wd, step, false),
+                                            state_free_scale, StateFree(mode),
+                                            device_scalars(lr_ptr, step_ptr));
+        });
+
 #ifdef FK_WITH_CUDA
   m.def("adamw_cuda",
         [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,

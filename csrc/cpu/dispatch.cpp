@@ -18,6 +18,8 @@ struct Level {
   void (*adamw)(const TensorBatch&, DType, const AdamWScalars&, int);
   void (*sign_sgd)(const TensorBatch&, DType, const SignScalars&, int);
   void (*frugal_step)(const TensorBatch&, const SubsetBatch&, DType, const FrugalScalars&, int);
+  void (*lowrank_step)(const TensorBatch&, const float* const*, const float* const*, DType,
+                       const SignScalars&, StateFree, int);
 };
 
 bool always() { return true; }
@@ -34,7 +36,7 @@ bool has_avx512() {
 #endif
 
 #define FK_LEVEL(ns, supported) \
-  Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::frugal_step }
+  Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::frugal_step, ns::lowrank_step }
 
 const Level kLevels[] = {
 #if defined(FK_HAVE_X86_LEVELS)
@@ -111,6 +113,13 @@ void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, cons
                  double state_free_scale, StateFree mode, int num_threads) {
   const FrugalScalars s{adamw_scalars(h), sign_scalars(h.lr, h.weight_decay, state_free_scale), mode};
   active().frugal_step(t, sub, dtype, s, num_threads);
+}
+
+void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,
+                  DType dtype, double lr, double weight_decay, double scale, StateFree mode,
+                  int num_threads) {
+  active().lowrank_step(t, up_updates, up_grads, dtype, sign_scalars(lr, weight_decay, scale), mode,
+                        num_threads);
 }
 
 }  // namespace cpu

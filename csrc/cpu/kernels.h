@@ -43,6 +43,9 @@ struct FrugalScalars {
   void sign_sgd(const TensorBatch& t, DType dtype, const SignScalars& s, int num_threads);    \
   void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype,                 \
                    const FrugalScalars& s, int num_threads);                                  \
+  void lowrank_step(const TensorBatch& t, const float* const* up_updates,                     \
+                    const float* const* up_grads, DType dtype, const SignScalars& s,          \
+                    StateFree mode, int num_threads);                                         \
   }
 
 FK_DECLARE_CPU_KERNELS(baseline)
@@ -66,6 +69,11 @@ void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay,
               int num_threads);
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
                  double state_free_scale, StateFree mode, int num_threads);
+// The elementwise part of a low-rank FRUGAL step (the GEMMs run in torch):
+// p = (p * decay - lr * scale * rule(g - up_grad)) + up_update, fp32 buffers.
+void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,
+                  DType dtype, double lr, double weight_decay, double scale, StateFree mode,
+                  int num_threads);
 
 }  // namespace cpu
 }  // namespace frugal

@@ -38,17 +38,19 @@ const char* archs();
 
 }  // namespace cuda
 
-// The same kernels run block by block, thread by thread, on host memory.
+// The same kernels run block by block, thread by thread, on host memory (the
+// DeviceScalars are host addresses here). Each returns the number of launches
+// the call made, so that tests can tell which limits of the planner they hit.
 namespace cuda_emulated {
 
 using cpu::SubsetBatch;
 using cpu::TensorBatch;
 
-void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const cuda::DeviceScalars& d);
-void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
-              const cuda::DeviceScalars& d);
-void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
-                 double state_free_scale, StateFree mode, const cuda::DeviceScalars& d);
+int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const cuda::DeviceScalars& d);
+int64_t sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+                 const cuda::DeviceScalars& d);
+int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
+                    double state_free_scale, StateFree mode, const cuda::DeviceScalars& d);
 
 }  // namespace cuda_emulated
 }  // namespace frugal

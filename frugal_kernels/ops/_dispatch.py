@@ -20,6 +20,15 @@ from frugal_kernels._extension import extension
 BACKENDS = ("cpu", "cuda", "triton", "torch")
 _AUTO_ORDER = {"cpu": ("cpu", "torch"), "cuda": ("cuda", "triton", "torch")}
 
+# Which backends implement each op (the others fall through in "auto").
+CAPABILITIES = {
+    "frugal::adamw_": frozenset(BACKENDS),
+    "frugal::sign_sgd_": frozenset(BACKENDS),
+    "frugal::frugal_step_": frozenset(BACKENDS),
+    # The GEMMs run in torch (cpu) or in the Triton kernel; no CUDA-C version.
+    "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),
+}
+
 
 @functools.lru_cache(maxsize=None)
 def _triton_installed() -> bool:
@@ -30,10 +39,12 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def unavailable_reason(backend: str, device_type: str) -> Optional[str]:
-    """Why ``backend`` cannot run on tensors of ``device_type``; None if it can."""
+def unavailable_reason(backend: str, device_type: str, op: Optional[str] = None) -> Optional[str]:
+    """Why ``backend`` cannot run ``op`` on tensors of ``device_type``; None if it can."""
     if backend not in BACKENDS:
         return f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'"
+    if op is not None and backend not in CAPABILITIES[op]:
+        return f"{op} has no {backend} implementation"
     if backend == "torch":
         return None
     if backend == "triton":
@@ -56,25 +67,28 @@ def unavailable_reason(backend: str, device_type: str) -> Optional[str]:
     return None
 
 
-def usable_backends(device_type: str) -> list:
-    """Backends that can run on tensors of ``device_type`` now, in automatic order."""
+def usable_backends(device_type: str, op: Optional[str] = None) -> list:
+    """Backends that can run (``op``, or every op) on ``device_type`` tensors now, best first."""
     if device_type == "cuda" and not torch.cuda.is_available():
         return []
     order = _AUTO_ORDER.get(device_type, ("torch",))
     rest = [b for b in BACKENDS if b not in order]
-    return [b for b in (*order, *rest) if unavailable_reason(b, device_type) is None]
+    return [b for b in (*order, *rest) if unavailable_reason(b, device_type, op) is None]
 
 
-def resolve(backend: str, device: torch.device) -> str:
-    """The backend an op call runs on."""
+def resolve(backend: str, device: torch.device, op: str) -> str:
+    """The backend a call of ``op`` runs on."""
     if backend == "auto":
         backend = os.environ.get("FRUGAL_BACKEND", "auto") or "auto"
+        if backend != "auto" and unavailable_reason(backend, device.type, op) is not None:
+            # An override names a preference; ops it cannot serve fall back to auto.
+            backend = "auto"
     if backend == "auto":
         for candidate in _AUTO_ORDER.get(device.type, ("torch",)):
-            if unavailable_reason(candidate, device.type) is None:
+            if unavailable_reason(candidate, device.type, op) is None:
                 return candidate
         return "torch"
-    reason = unavailable_reason(backend, device.type)
+    reason = unavailable_reason(backend, device.type, op)
     if reason is not None:
         raise ValueError(f"backend {backend!r} cannot run here: {reason}")
     return backend

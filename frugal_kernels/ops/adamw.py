@@ -45,7 +45,7 @@ def _adamw_op(
     check_scalars(OP, lr, step)
     if not params:
         return
-    impl = _IMPLS[_dispatch.resolve(backend, params[0].device)]
+    impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
     impl(params, [g.contiguous() for g in grads], exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps,
          weight_decay, step, maximize)
 

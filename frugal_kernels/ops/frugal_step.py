@@ -137,7 +137,7 @@ def _frugal_step_op(
     keep = [i for i, p in enumerate(params) if p.numel() > 0]
     if not keep:
         return
-    impl = _IMPLS[_dispatch.resolve(backend, params[0].device)]
+    impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
     impl([params[i] for i in keep], [grads[i].contiguous() for i in keep],
          [exp_avgs[i] for i in keep], [exp_avg_sqs[i] for i in keep],
          [indices[i].contiguous() for i in keep], kind, lr, beta1, beta2, eps, weight_decay,

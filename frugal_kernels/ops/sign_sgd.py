@@ -29,7 +29,7 @@ def _sign_sgd_op(params: List[Tensor], grads: List[Tensor], lr: Tensor, weight_d
     check_scalars(OP, lr)
     if not params:
         return
-    impl = _IMPLS[_dispatch.resolve(backend, params[0].device)]
+    impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
     impl(params, [g.contiguous() for g in grads], lr, weight_decay, scale)
 
 

@@ -85,4 +85,13 @@ FK_HOST_DEVICE float state_free_update(float p, float g, const SignScalars& s) {
   return p;
 }
 
+// The weight update of a low-rank FRUGAL step, once the back-projections are
+// known: `up_update` = P(AdamW update in the subspace) and `up_grad` =
+// P(P^T g), so that g - up_grad is the residual the state-free rule sees.
+template <StateFree Mode>
+FK_HOST_DEVICE float lowrank_update(float p, float g, float up_update, float up_grad,
+                                    const SignScalars& s) {
+  return state_free_update<Mode>(p, g - up_grad, s) + up_update;
+}
+
 }  // namespace frugal

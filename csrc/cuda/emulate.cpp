@@ -1,0 +1,87 @@
+// The CUDA kernels run on the host: the same planner, the same launch
+// parameters and the same block bodies as the real launches, over an
+// emulated grid. Built by the host compiler into every build, so the index,
+// chunking and vector-path logic of the kernels is tested without a GPU.
+//
+// Threads run one after another. A kernel with barriers is a sequence of
+// phases; each phase runs for every thread of the block before the next one
+// starts, which is what a barrier guarantees on the GPU and nothing more.
+#include "kernels.h"
+
+#include "adamw.cuh"
+#include "frugal_step.cuh"
+#include "sign_sgd.cuh"
+
+namespace frugal {
+namespace cuda_emulated {
+
+namespace {
+
+// Runs phase(tid) for the threads of a block last to first: the GPU keeps no
+// order either, and the reverse of the natural one exposes a phase that reads
+// what a lower thread writes in that same phase.
+template <typename Phase>
+void each_thread(int threads, Phase&& phase) {
+  for (int tid = threads - 1; tid >= 0; --tid) phase(tid);
+}
+
+}  // namespace
+
+int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
+              const cuda::DeviceScalars& d) {
+  const cuda::AdamWArgs args = cuda::adamw_args(h, d);
+  int64_t launches = 0;
+  cuda::with_param_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    launches = cuda::plan_adamw(t, [&](const cuda::AdamWMeta& meta, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        each_thread(cuda::kAdamWThreads, [&](int tid) {
+          cuda::adamw_thread<T>(meta, args, b, tid, cuda::kAdamWThreads);
+        });
+      }
+    });
+  });
+  return launches;
+}
+
+int64_t sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+                 const cuda::DeviceScalars& d) {
+  const cuda::SignSgdArgs args = cuda::sign_sgd_args(lr, weight_decay, scale, d);
+  int64_t launches = 0;
+  cuda::with_param_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    launches = cuda::plan_sign_sgd(t, [&](const cuda::SignSgdMeta& meta, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        each_thread(cuda::kSignSgdThreads, [&](int tid) {
+          cuda::sign_sgd_thread<T>(meta, args, b, tid, cuda::kSignSgdThreads);
+        });
+      }
+    });
+  });
+  return launches;
+}
+
+int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
+                    double state_free_scale, StateFree mode, const cuda::DeviceScalars& d) {
+  const cuda::FrugalArgs args = cuda::frugal_args(sub, h, state_free_scale, mode, d);
+  int64_t launches = 0;
+  const auto run = [&](auto tag, auto index, auto mode_tag) {
+    using Block = cuda::FrugalBlock<decltype(tag), decltype(index), decltype(mode_tag)::value>;
+    launches = cuda::plan_frugal_step(t, sub, [&](const cuda::FrugalMeta& meta, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        const Block block(meta, args, b);
+        // Shared memory starts undefined on the GPU. Zeros make a block that
+        // skipped clearing its table treat every position as member 0, which
+        // the tests see.
+        cuda::FrugalShared sh{};
+        block.run_phases(sh, cuda::kFrugalThreads,
+                         [&](auto&& phase) { each_thread(cuda::kFrugalThreads, phase); });
+      }
+    });
+  };
+  cuda::with_frugal_types(dtype, sub.index_is_int32, mode, run);
+  return launches;
+}
+
+}  // namespace cuda_emulated
+}  // namespace frugal

@@ -1,0 +1,31 @@
+// sign_sgd_ on the GPU: the kernel and its host launches (body in sign_sgd.cuh).
+#include "launch.cuh"
+#include "sign_sgd.cuh"
+
+namespace frugal {
+namespace cuda {
+
+namespace {
+
+template <typename T>
+__global__ void __launch_bounds__(kSignSgdThreads) sign_sgd_kernel(const SignSgdMeta meta,
+                                                                   const SignSgdArgs args) {
+  sign_sgd_thread<T>(meta, args, int(blockIdx.x), int(threadIdx.x), kSignSgdThreads);
+}
+
+}  // namespace
+
+void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+              const DeviceScalars& d, uintptr_t stream) {
+  const SignSgdArgs args = sign_sgd_args(lr, weight_decay, scale, d);
+  with_param_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    plan_sign_sgd(t, [&](const SignSgdMeta& meta, int blocks) {
+      sign_sgd_kernel<T><<<blocks, kSignSgdThreads, 0, as_stream(stream)>>>(meta, args);
+      check_launch("sign_sgd_");
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace frugal

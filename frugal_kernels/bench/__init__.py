@@ -1,0 +1,58 @@
+"""``frugal-kernels bench``: how fast the fused ops and optimizer steps are on this machine.
+
+See :func:`run`; results go to ``<out>/<device-id>.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from frugal_kernels.bench import fingerprint as _fingerprint
+from frugal_kernels.bench import ops as _ops
+from frugal_kernels.bench import optimizers as _optimizers
+from frugal_kernels.bench import report
+
+__all__ = ["run"]
+
+
+def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None,
+        op_names: Optional[Sequence[str]] = None, with_ops: bool = True,
+        with_optimizers: bool = True, preset: Optional[str] = None, rounds: Optional[int] = None,
+        command: str = "") -> dict:
+    """Run the benchmark sweep and write its results; returns them as a dict."""
+    from tqdm.auto import tqdm
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    fp = _fingerprint.fingerprint(dev)
+    result = {"fingerprint": fp, "command": command or " ".join(sys.argv),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": quick}
+    rounds = rounds or (5 if quick else 15)
+    if with_ops:
+        numels = [1 << 22] if quick else [1 << 20, 1 << 24]
+        if dev.type == "cuda" and not quick:
+            numels.append(1 << 27)
+        dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
+        with tqdm(total=len(numels) * len(dtypes), desc="ops", unit="config") as bar:
+            result["ops"] = _ops.sweep(device=dev, numels=numels, dtypes=dtypes, rounds=rounds,
+                                       op_names=op_names, progress=bar)
+    if with_optimizers:
+        preset = preset or ("20m" if quick else "130m")
+        with tqdm(total=2, desc=f"optimizers ({preset})", unit="part") as bar:
+            model = _optimizers.llama_param_set(preset, dev)
+            num_params = sum(p.numel() for p in model.parameters())
+            state = _optimizers.state_bytes(model)
+            bar.update(1)
+            steps = _optimizers.step_times(model, rounds=max(3, rounds // 2))
+            bar.update(1)
+        result["optimizers"] = {"preset": preset, "num_params": num_params, "state": state,
+                                "step": steps}
+    out = Path(out) if out is not None else Path("bench/results")
+    stem = _fingerprint.device_id(fp) + ("-quick" if quick else "")
+    result["files"] = [str(p) for p in report.write(result, out, stem)]
+    return result

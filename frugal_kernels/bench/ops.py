@@ -1,0 +1,187 @@
+"""Microbenchmarks of the fused ops: time, bytes moved, roofline fraction, peers.
+
+Each op registers a factory (:func:`register`) that builds its cases for a
+parameter count, dtype and device; ops added later join the sweep the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+from frugal_kernels import ops
+from frugal_kernels.bench.timing import measure
+from frugal_kernels.ops.frugal_step import state_shape
+from frugal_kernels.optim import subspace
+
+TENSOR_NUMEL = 1 << 20  # the param set is cut into tensors of this size, like an LLM's matrices
+
+
+@dataclass
+class OpCase:
+    op: str
+    variant: str
+    bytes: int                               # bytes the op must move
+    run: Callable[[str], Callable[[], None]]  # backend -> a call to time
+    backends: Sequence[str] = ops.BACKENDS
+
+
+_FACTORIES: Dict[str, Callable[..., List[OpCase]]] = {}
+
+
+def register(op: str):
+    """Decorator: ``factory(tensors, dtype, rho) -> [OpCase]`` joins the sweep."""
+    def wrap(factory):
+        _FACTORIES[op] = factory
+        return factory
+    return wrap
+
+
+def param_set(numel: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> List[torch.Tensor]:
+    """``numel`` parameters as square-ish 2-D tensors of about TENSOR_NUMEL elements."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors, left = [], numel
+    while left > 0:
+        n = min(TENSOR_NUMEL, left)
+        rows = max(1, int(math.sqrt(n)))
+        while n % rows:
+            rows -= 1
+        tensors.append(torch.randn(rows, n // rows, generator=gen, device=device, dtype=dtype))
+        left -= n
+    return tensors
+
+
+def _like(tensors, dtype=None, fill=None):
+    out = [torch.empty_like(t, dtype=dtype or t.dtype) for t in tensors]
+    for t in out:
+        t.normal_() if fill is None else t.fill_(fill)
+    return out
+
+
+@register("adamw_")
+def _adamw_cases(params, dtype, rho):
+    grads = _like(params)
+    m = _like(params, torch.float32, 0.0)
+    v = _like(params, torch.float32, 0.0)
+    n = sum(p.numel() for p in params)
+    size = params[0].element_size()
+
+    def run(backend):
+        return lambda: ops.adamw_(params, grads, m, v, lr=1e-4, beta1=0.9, beta2=0.999,
+                                  eps=1e-8, weight_decay=0.01, step=10, backend=backend)
+    return [OpCase("adamw_", "", n * (3 * size + 16), run)]
+
+
+@register("sign_sgd_")
+def _sign_sgd_cases(params, dtype, rho):
+    grads = _like(params)
+    n = sum(p.numel() for p in params)
+
+    def run(backend):
+        return lambda: ops.sign_sgd_(params, grads, lr=1e-4, weight_decay=0.01, backend=backend)
+    return [OpCase("sign_sgd_", "", n * 3 * params[0].element_size(), run)]
+
+
+@register("frugal_step_")
+def _frugal_step_cases(params, dtype, rho):
+    grads = _like(params)
+    gen = torch.Generator().manual_seed(1)
+    size = params[0].element_size()
+    cases = []
+    for kind in ("rows", "columns", "flat"):
+        indices, m, v = [], [], []
+        for p in params:
+            dim = {"rows": p.shape[0], "columns": p.shape[-1], "flat": p.numel()}[kind]
+            idx = subspace.choose_subset(dim, subspace.subset_size(rho, dim), gen, p.device)
+            indices.append(idx)
+            shape = state_shape(p, kind, idx.numel())
+            m.append(torch.zeros(shape, device=p.device))
+            v.append(torch.zeros(shape, device=p.device))
+        full = sum(x.numel() for x in m)
+        n = sum(p.numel() for p in params)
+        index_bytes = sum(i.numel() * i.element_size() for i in indices)
+
+        def run(backend, indices=indices, m=m, v=v, kind=kind):
+            return lambda: ops.frugal_step_(params, grads, m, v, indices, kind=kind, lr=1e-4,
+                                            beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                                            step=10, backend=backend, check_indices=False)
+        cases.append(OpCase("frugal_step_", kind, n * 3 * size + full * 16 + index_bytes, run))
+    return cases
+
+
+@register("lowrank_step_")
+def _lowrank_step_cases(params, dtype, rho):
+    grads = _like(params)
+    gen = torch.Generator().manual_seed(2)
+    projs, lows, ups, sides = [], [], [], []
+    for p, g in zip(params, grads):
+        rank = max(1, subspace.subset_size(rho, subspace.lowrank_dim(p.shape)))
+        proj = subspace.make_projection("random", g, rank, gen)
+        side = subspace.lowrank_side(p.shape)
+        g2 = g.float().reshape(p.shape[0], -1)
+        lows.append(g2 @ proj.t() if side == subspace.RIGHT else proj.t() @ g2)
+        ups.append(torch.zeros_like(lows[-1]))
+        projs.append(proj)
+        sides.append(side)
+    n = sum(p.numel() for p in params)
+
+    def run(backend):
+        return lambda: ops.lowrank_step_(params, grads, ups, lows, projs, sides, lr=1e-4,
+                                         weight_decay=0.01, backend=backend)
+    # What it must move: p read and written, g read; the low-rank factors are small.
+    return [OpCase("lowrank_step_", "random", n * 3 * params[0].element_size(), run,
+                   backends=tuple(sorted(ops.CAPABILITIES["frugal::lowrank_step_"])))]
+
+
+def _default_backends(device: torch.device) -> List[str]:
+    usable = ops.usable_backends(device.type)
+    # The torch backend is the readable reference (a loop of small ops) and the
+    # interpreted Triton backend is a test vehicle: neither is a speed contender.
+    return [b for b in usable if b not in ("torch",) and not (b == "triton" and device.type == "cpu")]
+
+
+def sweep(*, device: torch.device, numels: Sequence[int], dtypes: Sequence[torch.dtype],
+          rho: float = 0.25, backends: Sequence[str] = None, op_names: Sequence[str] = None,
+          rounds: int = 15, progress=None) -> List[dict]:
+    """Time every registered op case; one row per (op, variant, backend, dtype, size)."""
+    backends = list(backends or _default_backends(device))
+    rows = []
+    for numel in numels:
+        for dtype in dtypes:
+            params = param_set(numel, dtype, device)
+            src = torch.empty(numel, dtype=torch.float32, device=device).normal_()
+            dst = torch.empty_like(src)
+            fused_params = [torch.nn.Parameter(p.clone()) for p in params]
+            for p in fused_params:
+                p.grad = torch.randn_like(p)
+            fused = torch.optim.AdamW(fused_params, lr=1e-4, weight_decay=0.01, fused=True)
+            candidates = {"copy": lambda: dst.copy_(src), "torch_adamw_fused": fused.step}
+            cases = {}
+            for name in op_names or _FACTORIES:
+                for case in _FACTORIES[name](params, dtype, rho):
+                    for backend in backends:
+                        if backend in case.backends and \
+                                ops.resolve(backend, device, "frugal::" + case.op) == backend:
+                            key = f"{case.op}[{case.variant}]/{backend}"
+                            candidates[key] = case.run(backend)
+                            cases[key] = (case, backend)
+            times = measure(candidates, device=device, rounds=rounds)
+            copy_gbps = 2 * numel * 4 / times["copy"] / 1e9
+            for key, (case, backend) in cases.items():
+                t = times[key]
+                gbps = case.bytes / t / 1e9
+                rows.append({
+                    "op": case.op, "variant": case.variant, "backend": backend,
+                    "dtype": str(dtype).replace("torch.", ""), "numel": numel, "seconds": t,
+                    "bytes": case.bytes, "gbps": gbps, "copy_gbps": copy_gbps,
+                    "copy_fraction": gbps / copy_gbps,
+                    "speedup_vs_torch_adamw_fused": times["torch_adamw_fused"] / t,
+                    "rho": rho,
+                })
+            if progress is not None:
+                progress.update(1)
+            del params, fused_params, fused, src, dst
+    return rows

@@ -1,0 +1,157 @@
+"""Whole optimizer steps on a LLaMA-shaped parameter set: state bytes and step time.
+
+Peers measured in the same run: torch.optim.AdamW (fused and foreach), a
+per-parameter loop written like the FRUGAL paper's code, and, when installed,
+bitsandbytes / torchao 8-bit and 4-bit AdamW.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+import frugal_kernels as fk
+from frugal_kernels.bench.timing import measure
+from frugal_kernels.model import LlamaConfig, LlamaForCausalLM
+
+
+def llama_param_set(preset: str, device: torch.device) -> nn.Module:
+    """A LLaMA model of ``preset`` shape (vocab 32000) with random gradients."""
+    config = LlamaConfig.from_preset(preset, vocab_size=32000)
+    model = LlamaForCausalLM(config, seed=0).to(device)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model
+
+
+def torch_state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+
+
+class PaperStyleFRUGAL(torch.optim.Optimizer):
+    """Blockwise FRUGAL stepped the way the paper's code steps it (the op
+    sequence of fzmushko/FRUGAL's ProjOptimizer.step and AdamW._compute_update):
+    a Python loop over parameters, each a string of small tensor ops that build
+    the update in temporaries. A timing baseline only."""
+
+    def __init__(self, groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 density=0.25):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            if group.get("projected", True):
+                n_active = round(density * len(group["params"]))
+                for i, p in enumerate(group["params"]):
+                    self.state[p]["active"] = i < n_active
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = self.state[p]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                if not state.get("active", True):
+                    p.add_(-group["lr"] * p.grad.sign())
+                    continue
+                if "exp_avg" not in state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
+                denom = v.sqrt()
+                step_size = group["lr"] / (1.0 - beta1 ** state["step"])
+                denom.div_((1.0 - beta2 ** state["step"]) ** 0.5)
+                denom.add_(group["eps"])
+                p.add_(m / denom * (-step_size))
+
+
+def _all_projected(model):
+    return [{"params": list(model.parameters()), "projected": True}]
+
+
+def optimizer_factories(model: nn.Module) -> Dict[str, Callable[[], torch.optim.Optimizer]]:
+    """The optimizers compared, by name, each a fresh instance on ``model``."""
+    params = list(model.parameters())
+    hyper = dict(lr=1e-4, weight_decay=0.01)
+    factories = {
+        "torch_adamw_fused": lambda: torch.optim.AdamW(params, fused=True, **hyper),
+        "torch_adamw_foreach": lambda: torch.optim.AdamW(params, foreach=True, **hyper),
+        "frugal_blocks": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25, **hyper),
+        "frugal_blocks_all_projected": lambda: fk.FRUGAL(_all_projected(model), density=0.25,
+                                                         **hyper),
+        "frugal_columns": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25,
+                                            projection="columns", **hyper),
+        "paper_loop_blocks": lambda: PaperStyleFRUGAL(fk.param_groups(model), density=0.25,
+                                                      **hyper),
+    }
+    for name, factory in _optional_peers(params, hyper).items():
+        factories[name] = factory
+    return factories
+
+
+def _optional_peers(params, hyper) -> Dict[str, Callable[[], torch.optim.Optimizer]]:
+    peers = {}
+    if params[0].device.type == "cuda":
+        try:
+            import bitsandbytes as bnb
+            peers["bnb_adamw8bit"] = lambda: bnb.optim.AdamW8bit(params, **hyper)
+        except ImportError:
+            pass
+        try:
+            from torchao.optim import AdamW4bit, AdamW8bit
+            peers["torchao_adamw8bit"] = lambda: AdamW8bit(params, **hyper)
+            peers["torchao_adamw4bit"] = lambda: AdamW4bit(params, **hyper)
+        except ImportError:
+            pass
+    return peers
+
+
+def state_bytes(model: nn.Module) -> List[dict]:
+    """Optimizer-state bytes per parameter, measured from the allocated state."""
+    n = sum(p.numel() for p in model.parameters())
+    hyper = dict(lr=1e-4, weight_decay=0.01)
+    configs = {
+        "torch AdamW": lambda: torch.optim.AdamW(model.parameters(), **hyper),
+        "FRUGAL blocks rho=0.25": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25, **hyper),
+        "FRUGAL columns rho=0.25": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25,
+                                                     projection="columns", **hyper),
+        "FRUGAL rho=0": lambda: fk.FRUGAL(fk.param_groups(model), density=0.0, **hyper),
+        "AdaFRUGAL start (rho=0.25)": lambda: fk.AdaFRUGAL(fk.param_groups(model), rho_start=0.25,
+                                                           rho_end=0.05, rho_steps=2, update_gap=1,
+                                                           **hyper),
+    }
+    rows = []
+    for name, make in configs.items():
+        opt = make()
+        opt.step()
+        rows.append(_state_row(name, opt, n))
+        if isinstance(opt, fk.AdaFRUGAL):
+            opt.step()
+            opt.step()  # rho has decayed to rho_end at the change after rho_steps steps
+            rows.append(_state_row(f"AdaFRUGAL end (rho={opt.rho:g})", opt, n))
+        del opt
+    return rows
+
+
+def _state_row(name, opt, n) -> dict:
+    total = opt.state_bytes() if hasattr(opt, "state_bytes") else torch_state_bytes(opt)
+    return {"optimizer": name, "state_bytes": total, "bytes_per_param": total / n,
+            "state_mb": total / 2**20}
+
+
+def step_times(model: nn.Module, *, rounds: int = 10, names: Optional[List[str]] = None) -> dict:
+    """Median seconds per step of each optimizer, measured side by side."""
+    factories = optimizer_factories(model)
+    opts = {name: make() for name, make in factories.items() if names is None or name in names}
+    device = next(model.parameters()).device
+    times = measure({name: opt.step for name, opt in opts.items()}, device=device,
+                    rounds=rounds, warmup=2)
+    return {"seconds": times,
+            "speedup_vs_torch_adamw_fused": {n: times["torch_adamw_fused"] / t
+                                             for n, t in times.items()}}

@@ -1,0 +1,97 @@
+"""Writing benchmark results: JSON, a markdown table and a PNG chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+
+def _fmt_numel(n: int) -> str:
+    return f"{n / 2**20:g}M" if n >= 2**20 else f"{n / 2**10:g}K"
+
+
+def markdown(result: dict) -> str:
+    fp = result["fingerprint"]
+    where = fp.get("gpu") or f"{fp['cpu']} ({fp['cpu_isa']}, {fp['threads']} threads)"
+    lines = [f"# frugal_kernels benchmark: {where}", "",
+             f"torch {fp['torch']}, triton {fp['triton']}, frugal_kernels {fp['frugal_kernels']}; "
+             f"command: `{result['command']}`", ""]
+    ops = result.get("ops") or []
+    if ops:
+        lines += ["## Fused ops", "",
+                  "Bandwidth is the bytes each op must move over its median time; the copy "
+                  "baseline and torch.optim.AdamW(fused=True) on the same tensors ran in the same "
+                  "rounds.", "",
+                  "| op | variant | backend | dtype | params | ms | GB/s | of copy | x fused AdamW |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in ops:
+            lines.append(f"| {r['op']} | {r['variant'] or '-'} | {r['backend']} | {r['dtype']} | "
+                         f"{_fmt_numel(r['numel'])} | {r['seconds'] * 1e3:.2f} | {r['gbps']:.1f} | "
+                         f"{r['copy_fraction']:.0%} | {r['speedup_vs_torch_adamw_fused']:.2f} |")
+        lines.append("")
+    opt = result.get("optimizers")
+    if opt:
+        lines += [f"## Optimizer state on the {opt['preset']} parameter set "
+                  f"({opt['num_params'] / 1e6:.1f}M params)", "",
+                  "| optimizer | state MB | bytes/param |", "|---|---|---|"]
+        for r in opt["state"]:
+            lines.append(f"| {r['optimizer']} | {r['state_mb']:.1f} | {r['bytes_per_param']:.2f} |")
+        lines += ["", "## Optimizer step time", "",
+                  "| optimizer | ms/step | x fused AdamW |", "|---|---|---|"]
+        for name, t in opt["step"]["seconds"].items():
+            lines.append(f"| {name} | {t * 1e3:.1f} | "
+                         f"{opt['step']['speedup_vs_torch_adamw_fused'][name]:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Optional[Path]:
+    """Bars of each op's fraction of copy bandwidth and of each optimizer's
+    speed against fused AdamW; None when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ops = result.get("ops") or []
+    opt = result.get("optimizers")
+    panels = int(bool(ops)) + int(bool(opt))
+    if panels == 0:
+        return None
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 5), squeeze=False)
+    axes = list(axes[0])
+    if ops:
+        ax = axes.pop(0)
+        largest = max(r["numel"] for r in ops)
+        rows = [r for r in ops if r["numel"] == largest]
+        labels = [f"{r['op']}{'[' + r['variant'] + ']' if r['variant'] else ''}\n"
+                  f"{r['backend']} {r['dtype']}" for r in rows]
+        ax.bar(range(len(rows)), [r["copy_fraction"] for r in rows], color="tab:blue")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+        ax.set_ylabel("effective bandwidth / copy bandwidth")
+        ax.set_title(f"fused ops, {_fmt_numel(largest)} params")
+    if opt:
+        ax = axes.pop(0)
+        speed = opt["step"]["speedup_vs_torch_adamw_fused"]
+        ax.barh(list(speed), list(speed.values()), color="tab:green")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xlabel("step speed / torch.optim.AdamW(fused=True)")
+        ax.set_title(f"optimizer step, {opt['preset']} parameter set")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(result: dict, out_dir: Path, stem: str) -> List[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=1))
+    paths[1].write_text(markdown(result))
+    png = plot(result, out_dir / f"{stem}.png")
+    if png is not None:
+        paths.append(png)
+    return paths

@@ -1,0 +1,157 @@
+"""``frugal::lowrank_step_``: the weight update of FRUGAL's low-rank projections.
+
+For the ``random`` and ``svd`` projections the state-full part lives in a
+rank-r subspace: the optimizer projects the gradient (``low_grad = P^T g``),
+runs AdamW there (``low_update``), and this op does the rest in one pass per
+tensor: back-project the update, back-project the projected gradient, apply
+the state-free rule to the residual ``g - P P^T g`` and the weight decay:
+
+    p = p * (1 - lr * wd) - lr * scale * rule(g - up(low_grad)) + up(low_update)
+
+Backends: ``triton`` fuses both back-projections (``tl.dot``) with the update
+in one kernel; ``cpu`` runs one batched GEMM in torch and the update in one C++
+pass; ``torch`` is the reference. There is no ``cuda`` backend: on GPUs
+``auto`` picks ``triton``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+from torch import Tensor
+
+from frugal_kernels import reference
+from frugal_kernels._extension import extension
+from frugal_kernels.ops import _dispatch
+from frugal_kernels.ops._common import (DTYPE_CODES, Scalar, as_scalar_tensor, check_batch,
+                                        check_finite, check_scalars, host_value)
+
+OP = "frugal::lowrank_step_"
+RIGHT, LEFT = reference.RIGHT, reference.LEFT
+_STATE_FREE_CODES = {"sign": 0, "sgd": 1, "none": 2}
+
+
+def _check(params, grads, low_updates, low_grads, projections, sides, weight_decay, state_free,
+           state_free_scale) -> None:
+    if state_free not in _STATE_FREE_CODES:
+        raise ValueError(f"{OP}: state_free must be one of sign, sgd, none; got {state_free!r}")
+    n = len(params)
+    for name, lst in (("low_updates", low_updates), ("low_grads", low_grads),
+                      ("projections", projections), ("sides", sides)):
+        if len(lst) != n:
+            raise ValueError(f"{OP}: got {n} params but {len(lst)} {name}")
+    check_batch(OP, params, grads, {})
+    for i, (p, u, lg, proj, side) in enumerate(zip(params, low_updates, low_grads, projections,
+                                                   sides)):
+        if p.dim() < 2:
+            raise ValueError(f"{OP}: params[{i}] has {p.dim()} dims; low-rank projections "
+                             "need a matrix (tensors of more dims are seen as [shape[0], rest])")
+        if side not in (RIGHT, LEFT):
+            raise ValueError(f"{OP}: sides[{i}] must be {RIGHT} (right) or {LEFT} (left)")
+        m, n_ = p.shape[0], p.numel() // p.shape[0]
+        if proj.dim() != 2:
+            raise ValueError(f"{OP}: projections[{i}] must be a matrix")
+        r = proj.shape[0] if side == RIGHT else proj.shape[1]
+        want_proj = (r, n_) if side == RIGHT else (m, r)
+        want_low = (m, r) if side == RIGHT else (r, n_)
+        for name, t, want in (("projections", proj, want_proj), ("low_updates", u, want_low),
+                              ("low_grads", lg, want_low)):
+            if t.dtype != torch.float32:
+                raise TypeError(f"{OP}: {name}[{i}] has dtype {t.dtype}; it must be float32")
+            if t.device != p.device:
+                raise ValueError(f"{OP}: {name}[{i}] is on {t.device} but params[{i}] is on "
+                                 f"{p.device}")
+            if tuple(t.shape) != want:
+                raise ValueError(f"{OP}: {name}[{i}] has shape {tuple(t.shape)} but must have "
+                                 f"shape {want} for params[{i}] of shape {tuple(p.shape)}")
+    check_finite(OP, weight_decay=weight_decay, state_free_scale=state_free_scale)
+
+
+@torch.library.custom_op(OP, mutates_args=("params",))
+def _lowrank_step_op(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
+                     low_grads: List[Tensor], projections: List[Tensor], sides: List[int],
+                     lr: Tensor, weight_decay: float, state_free: str, state_free_scale: float,
+                     backend: str) -> None:
+    _check(params, grads, low_updates, low_grads, projections, sides, weight_decay, state_free,
+           state_free_scale)
+    check_scalars(OP, lr)
+    if not params:
+        return
+    impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
+    impl(params, [g.contiguous() for g in grads], low_updates, low_grads, projections, sides, lr,
+         weight_decay, state_free, state_free_scale)
+
+
+@_lowrank_step_op.register_fake
+def _(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay, state_free,
+      state_free_scale, backend) -> None:
+    _check(params, grads, low_updates, low_grads, projections, sides, weight_decay, state_free,
+           state_free_scale)
+
+
+def _back_projections(u: Tensor, lg: Tensor, proj: Tensor, side: int) -> Tensor:
+    """[up(u), up(lg)] as one [2, m, n] tensor from one batched GEMM."""
+    both = torch.stack((u, lg))
+    return torch.matmul(both, proj) if side == RIGHT else torch.matmul(proj, both)
+
+
+def _cpu(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay, state_free,
+         state_free_scale) -> None:
+    ext = extension()
+    for p, g, u, lg, proj, side in zip(params, grads, low_updates, low_grads, projections, sides):
+        # One tensor at a time: the [2, m, n] back-projections are transient.
+        up = _back_projections(u, lg, proj, side)
+        ext.lowrank_step_cpu([p.data_ptr()], [g.data_ptr()], [up[0].data_ptr()],
+                             [up[1].data_ptr()], [p.numel()], DTYPE_CODES[p.dtype],
+                             host_value(lr), weight_decay, state_free_scale,
+                             _STATE_FREE_CODES[state_free], torch.get_num_threads())
+
+
+def _triton(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
+            state_free, state_free_scale) -> None:
+    from frugal_kernels.kernels.triton.lowrank_step import lowrank_step_
+
+    lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=lr,
+                  weight_decay=weight_decay, state_free=state_free,
+                  state_free_scale=state_free_scale)
+
+
+def _torch(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
+           state_free, state_free_scale) -> None:
+    reference.lowrank_step_(params, grads, low_updates, low_grads, projections, sides,
+                            lr=host_value(lr), weight_decay=weight_decay, state_free=state_free,
+                            state_free_scale=state_free_scale)
+
+
+_IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
+
+
+def lowrank_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    low_updates: Sequence[Tensor],
+    low_grads: Sequence[Tensor],
+    projections: Sequence[Tensor],
+    sides: Sequence[int],
+    *,
+    lr: Scalar,
+    weight_decay: float = 0.0,
+    state_free: str = "sign",
+    state_free_scale: float = 1.0,
+    backend: str = "auto",
+) -> None:
+    """The weight update of a low-rank FRUGAL step, in place (see the module doc).
+
+    Args:
+        params, grads: tensors of >= 2 dims, seen as matrices [m, n].
+        low_updates: AdamW updates in the subspace (lr already applied), fp32,
+            [m, r] for side RIGHT and [r, n] for side LEFT.
+        low_grads: the projected gradients, same shapes.
+        projections: fp32 [r, n] (RIGHT, orthonormal rows) or [m, r] (LEFT,
+            orthonormal columns).
+        sides: 0 (RIGHT) or 1 (LEFT) per tensor.
+    """
+    _lowrank_step_op(list(params), list(grads), list(low_updates), list(low_grads),
+                     list(projections), [int(s) for s in sides], as_scalar_tensor(OP, "lr", lr),
+                     float(weight_decay), state_free, float(state_free_scale), backend)

@@ -1,0 +1,7 @@
+"""torch.optim optimizers built on the fused ops."""
+
+from frugal_kernels.optim.adafrugal import AdaFRUGAL
+from frugal_kernels.optim.frugal import FRUGAL
+from frugal_kernels.optim.grouping import param_groups
+
+__all__ = ["FRUGAL", "AdaFRUGAL", "param_groups"]

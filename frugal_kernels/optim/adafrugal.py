@@ -1,0 +1,156 @@
+"""AdaFRUGAL: FRUGAL with a decaying density and a loss-aware update gap (Bui & Ta, 2026)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, List, Optional, Tuple
+
+from torch import Tensor
+
+from frugal_kernels.optim.frugal import FRUGAL
+
+__all__ = ["AdaFRUGAL"]
+
+
+class AdaFRUGAL(FRUGAL):
+    r"""FRUGAL whose density rho and update gap T adapt during training.
+
+    - Dynamic rho: at each subspace change after k completed steps,
+      ``rho = max(rho_end, rho_start - (rho_start - rho_end) * k / rho_steps)``
+      for every projected group (their own ``density`` is ignored). When the
+      state-full set shrinks, the state it drops is freed.
+    - Dynamic T: :meth:`observe_loss` feeds a (validation or smoothed
+      training) loss. Once ``loss_window`` losses have been observed, if their
+      relative change ``|L_first - L_last| / |L_first|`` is under
+      ``loss_tolerance``, T grows to ``min(update_gap_max, ceil(T * gap_growth))``
+      and the window starts afresh. ``loss_window`` counts observed losses,
+      not steps.
+
+    Either schedule can be switched off: ``dynamic_rho=False`` keeps
+    ``rho = rho_start``; ``dynamic_update_gap=False`` keeps T. A
+    :class:`frugal_kernels.Governor` steers both through
+    :meth:`apply_governor`. Other arguments are those of :class:`FRUGAL`.
+
+    ``opt.rho`` and ``opt.update_gap`` give the current values and
+    ``opt.history`` lists the subspace changes and T changes (step, rho, T,
+    reason).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | Tensor = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        rho_start: float = 0.25,
+        rho_end: float = 0.05,
+        rho_steps: Optional[int] = None,
+        update_gap: int = 100,
+        update_gap_max: int = 1000,
+        loss_tolerance: float = 0.005,
+        gap_growth: float = 1.5,
+        loss_window: int = 3,
+        dynamic_rho: bool = True,
+        dynamic_update_gap: bool = True,
+        projection: str = "blocks",
+        state_free: str = "sign",
+        state_free_lr_scale: float = 1.0,
+        reset_state: bool = True,
+        block_order: str = "random",
+        seed: int = 0,
+        backend: str = "auto",
+    ):
+        if not 0.0 <= rho_end <= rho_start <= 1.0:
+            raise ValueError(f"need 0 <= rho_end <= rho_start <= 1, got rho_start={rho_start}, "
+                             f"rho_end={rho_end}")
+        if dynamic_rho and (rho_steps is None or rho_steps < 1):
+            raise ValueError("rho_steps (the steps over which rho decays, usually the length of "
+                             "training) must be a positive int when dynamic_rho=True; pass "
+                             "dynamic_rho=False for a static rho")
+        if update_gap_max < update_gap:
+            raise ValueError(f"update_gap_max ({update_gap_max}) must be >= update_gap "
+                             f"({update_gap})")
+        if gap_growth < 1.0 or loss_tolerance < 0.0 or loss_window < 2:
+            raise ValueError("need gap_growth >= 1, loss_tolerance >= 0 and loss_window >= 2")
+        self.rho_start, self.rho_end, self.rho_steps = float(rho_start), float(rho_end), rho_steps
+        self.update_gap_max = int(update_gap_max)
+        self.loss_tolerance = float(loss_tolerance)
+        self.gap_growth = float(gap_growth)
+        self.loss_window = int(loss_window)
+        self.dynamic_rho = bool(dynamic_rho)
+        self.dynamic_update_gap = bool(dynamic_update_gap)
+        self._rho_scale = 1.0
+        self._losses: List[float] = []
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         density=rho_start, update_gap=update_gap, projection=projection,
+                         state_free=state_free, state_free_lr_scale=state_free_lr_scale,
+                         reset_state=reset_state, block_order=block_order, seed=seed,
+                         backend=backend)
+
+    def _current_density(self) -> float:
+        rho = self.rho_start
+        if self.dynamic_rho:
+            # k counts the steps completed before the change: rho_start at the first step.
+            k = self._last_change - 1 if self._last_change is not None else 0
+            rho = max(self.rho_end,
+                      self.rho_start - (self.rho_start - self.rho_end) * k / self.rho_steps)
+        return min(1.0, rho * self._rho_scale)
+
+    def _group_density(self, group: dict) -> float:
+        return self._current_density()
+
+    def observe_loss(self, value: float | Tensor) -> None:
+        """Feed one (validation or smoothed training) loss to the dynamic-T rule."""
+        loss = float(value)
+        if not math.isfinite(loss):
+            raise ValueError(f"observe_loss got a non-finite loss {loss}")
+        if not self.dynamic_update_gap:
+            return
+        self._losses.append(loss)
+        if len(self._losses) < self.loss_window:
+            return
+        window = self._losses[-self.loss_window:]
+        first, last = window[0], window[-1]
+        change = abs(first - last) / max(abs(first), 1e-12)
+        if change < self.loss_tolerance:
+            self._grow_gap(self.gap_growth,
+                           f"loss plateau: relative change {change:.3g} over {self.loss_window} "
+                           f"losses < {self.loss_tolerance}")
+            self._losses = []
+        else:
+            self._losses = self._losses[-(self.loss_window - 1):]
+
+    def apply_governor(self, decision: Any) -> None:
+        """Take a :class:`frugal_kernels.Governor` reallocation: grow T by its
+        ``update_gap_factor`` and scale rho by its ``rho_factor`` (from the next
+        subspace change)."""
+        suggestion = getattr(decision, "suggestion", None) or {}
+        gap_factor = float(suggestion.get("update_gap_factor", 1.0))
+        rho_factor = float(suggestion.get("rho_factor", 1.0))
+        if gap_factor > 1.0:
+            self._grow_gap(gap_factor, "governor: grow T")
+        if 0.0 < rho_factor < 1.0:
+            self._rho_scale *= rho_factor
+            self.history.append({"step": self._steps_taken, "rho": self._current_density(),
+                                 "update_gap": self._update_gap,
+                                 "reason": f"governor: rho scaled by {rho_factor:g}"})
+
+    def _grow_gap(self, factor: float, reason: str) -> None:
+        new_gap = min(self.update_gap_max, math.ceil(self._update_gap * factor))
+        if new_gap == self._update_gap:
+            return
+        self.history.append({"step": self._steps_taken, "rho": self._current_density(),
+                             "update_gap": new_gap,
+                             "reason": f"{reason}; T {self._update_gap} -> {new_gap}"})
+        self._update_gap = new_gap
+
+    def _extra_state(self) -> dict:
+        return {"rho_scale": self._rho_scale, "losses": list(self._losses)}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        if "rho_scale" not in extra:
+            raise ValueError("this state dict was saved by FRUGAL, not AdaFRUGAL: it has no "
+                             "schedule state to resume")
+        self._rho_scale = float(extra["rho_scale"])
+        self._losses = [float(x) for x in extra["losses"]]

@@ -1,0 +1,110 @@
+"""Cases shared by the CUDA tests: the emulated kernels (test_cuda_emulation)
+and the real ones on a GPU (test_cuda_gpu). Sizes sit around the kernels'
+constants (csrc/cuda/*.cuh)."""
+
+import torch
+
+from frugal_kernels.ops.frugal_step import state_shape
+
+# Elements per block of adamw_ / sign_sgd_, positions per tile of frugal_step_
+# (8 tiles a block, so CHUNK positions a block too), and the launch limits.
+CHUNK = 16384
+TILE = 2048
+MAX_BLOCKS = 320
+MAX_TENSORS = {"adamw": 36, "sign_sgd": 64, "frugal_step": 24}
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# lr is a power of two so that a float32 device tensor holds it exactly.
+LR, BETA1, BETA2, EPS, WD, STEP = 2.0**-7, 0.9, 0.999, 1e-8, 0.1, 3.0
+SIZES = [1, 7, TILE - 1, TILE, TILE + 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 40001]
+
+# Shapes per subset kind, each with the fraction of its rows, columns or
+# coordinates that is state-full: 0 and 1 give empty and full index lists.
+FRUGAL_SHAPES = {
+    # C > 1 not dividing TILE, C = TILE, C > TILE, C dividing TILE, a single row
+    "rows": [((37, 300), 0.3), ((3, 700), 0.5), ((8, TILE), 0.4), ((5, 5000), 0.4),
+             ((40, 512), 0.25), ((1, 7), 1.0), ((20, 5000), 0.3), ((6, 33), 0.0),
+             ((9, 250), 1.0)],
+    # C < TILE, C > TILE, C = TILE, C = TILE + 1, a single column, 3-D
+    "columns": [((300, 77), 0.3), ((3, 4500), 0.2), ((20, TILE), 0.1), ((7, TILE + 1), 0.5),
+                ((50, 513), 0.25), ((40, 1), 1.0), ((10, 100), 0.0), ((13, 40), 1.0),
+                ((2, 3, 700), 0.3)],
+    # C = 1: sizes around TILE and the block's chunk
+    "flat": [((1,), 1.0), ((7,), 0.5), ((TILE - 1,), 0.3), ((TILE,), 0.3), ((TILE + 1,), 0.3),
+             ((CHUNK + 1,), 0.25), ((40000,), 0.1), ((3000,), 0.0), ((2500,), 1.0)],
+}
+STATE_FREE_RULES = ["sign", "sgd", "none"]
+
+
+def placed(values, *, misaligned=False, device="cpu"):
+    """A copy of ``values`` on ``device`` whose data starts 16-byte aligned, or
+    one element past it, so that the kernels' 16-byte vector path is or is not
+    taken."""
+    n = values.numel()
+    base = torch.empty(n + 16, dtype=values.dtype, device=device)
+    assert base.data_ptr() % 16 == 0, "torch's allocators align to at least 64 bytes"
+    offset = 1 if misaligned else 0
+    out = base[offset:offset + n].view(values.shape)
+    out.copy_(values)
+    assert (out.data_ptr() % 16 == 0) != misaligned
+    return out
+
+
+def grads_like(shape, dtype, gen):
+    g = torch.randn(shape, generator=gen)
+    # Exact zeros: sign(0) = 0 must agree too.
+    g[torch.rand(shape, generator=gen) < 0.05] = 0.0
+    return g.to(dtype)
+
+
+def subset(dim, fraction, index_dtype, gen):
+    """Sorted unique ids of range(dim), each in with probability ``fraction``
+    (so 0 and 1 give the empty and the full list)."""
+    return (torch.rand(dim, generator=gen) < fraction).nonzero().flatten().to(index_dtype)
+
+
+def adamw_data(numels, dtype, seed):
+    """params, grads, exp_avgs, exp_avg_sqs: lists of host tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    p, g, m, v = [], [], [], []
+    for n in numels:
+        p.append(torch.randn(n, generator=gen).to(dtype))
+        g.append(grads_like(n, dtype, gen))
+        m.append(0.1 * torch.randn(n, generator=gen))
+        v.append(0.01 * torch.rand(n, generator=gen))
+    return p, g, m, v
+
+
+def sign_sgd_data(numels, dtype, seed):
+    """params, grads: lists of host tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    p = [torch.randn(n, generator=gen).to(dtype) for n in numels]
+    return p, [grads_like(n, dtype, gen) for n in numels]
+
+
+def frugal_data(kind, shapes, dtype, index_dtype, seed):
+    """params, grads, exp_avgs, exp_avg_sqs, indices for ``shapes`` (pairs of a
+    shape and a state-full fraction): lists of host tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    p, g, m, v, idx = [], [], [], [], []
+    for shape, fraction in shapes:
+        p.append(torch.randn(shape, generator=gen).to(dtype))
+        g.append(grads_like(shape, dtype, gen))
+        dim = {"rows": shape[0], "columns": shape[-1]}.get(kind, p[-1].numel())
+        idx.append(subset(dim, fraction, index_dtype, gen))
+        sshape = state_shape(p[-1], kind, idx[-1].numel())
+        m.append(0.1 * torch.randn(sshape, generator=gen))
+        v.append(0.01 * torch.rand(sshape, generator=gen))
+    return p, g, m, v, idx
+
+
+def assert_equal(name, got, want):
+    """Lists of tensors equal bit for bit (after moving ``got`` to the host)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        a = a.cpu()
+        if not torch.equal(a, b):
+            bad = (a != b).nonzero()
+            first = tuple(bad[0].tolist())
+            raise AssertionError(f"{name}[{i}] (shape {tuple(a.shape)}, {a.dtype}): "
+                                 f"{len(bad)} elements differ, first at {list(first)}: "
+                                 f"got {a[first].item()!r}, want {b[first].item()!r}")

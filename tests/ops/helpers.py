@@ -1,0 +1,72 @@
+"""Shared helpers of the op tests."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+import torch
+
+from frugal_kernels.ops import _dispatch
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def cpu_backends(op=None) -> list:
+    """Every backend that can run (``op``) on CPU tensors, as pytest params; one
+    that cannot run here is shown as skipped with the reason (CI installs all)."""
+    params = []
+    for backend in ("cpu", "triton", "torch"):
+        reason = _dispatch.unavailable_reason(backend, "cpu", op)
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        params.append(pytest.param(backend, marks=marks, id=backend))
+    return params
+
+
+def clone(tensors: Sequence[torch.Tensor]) -> list:
+    return [t.clone() for t in tensors]
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, in float64 (0 for empty or all-zero b equal to a)."""
+    a, b = a.double(), b.double()
+    if b.numel() == 0:
+        return 0.0
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between same-dtype floats."""
+    assert a.dtype == b.dtype
+    if a.numel() == 0:
+        return 0
+    ia = a.contiguous().view(_INT_VIEW[a.dtype]).long()
+    ib = b.contiguous().view(_INT_VIEW[b.dtype]).long()
+    return int((ia - ib).abs().max())
+
+
+def assert_params_close(actual, expected, *, fp32_rel=1e-6, ulps=1, what="params"):
+    """fp32: relative difference; 16-bit: at most `ulps` units in the last place."""
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if a.dtype == torch.float32:
+            r = rel_diff(a, e)
+            assert r <= fp32_rel, f"{what}[{i}]: relative difference {r:.3g} > {fp32_rel}"
+        else:
+            u = ulp_diff(a, e)
+            assert u <= ulps, f"{what}[{i}] ({a.dtype}): {u} ulps apart (allowed {ulps})"
+
+
+def make_batch(shapes, dtype, seed=0, state_shapes=None):
+    """(params, grads, exp_avgs, exp_avg_sqs) for tensors of the given shapes,
+    with moments as after some steps (v >= 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(s,) if isinstance(s, int) else tuple(s) for s in shapes]
+    state_shapes = state_shapes or shapes
+    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    exp_avgs = [torch.randn(s, generator=gen) * 0.1 for s in state_shapes]
+    exp_avg_sqs = [torch.rand(s, generator=gen) * 0.01 for s in state_shapes]
+    return params, grads, exp_avgs, exp_avg_sqs

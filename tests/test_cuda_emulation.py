@@ -1,0 +1,296 @@
+"""The CUDA kernels, emulated on the CPU, against the CPU kernels, bit for bit.
+
+``_C.<op>_cuda_emulated`` runs the block bodies of the CUDA kernels
+(csrc/cuda/*.cuh) over an emulated grid with the launch planner of the real
+launches, so every index, chunking and vector-path decision of the kernels is
+checked here without a GPU. Both sides apply the same update rules in the same
+order of operations, so params and states must be *equal*, not close.
+
+The sizes are chosen around the kernels' constants (cuda_cases.py); the tests
+that must cross a launch limit assert the number of launches the emulator
+reports, so that they fail rather than silently stop covering it when a
+constant changes.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import frugal_kernels
+from frugal_kernels._extension import extension
+from frugal_kernels.ops._common import DTYPE_CODES
+from frugal_kernels.ops.frugal_step import matrix_view
+
+from cuda_cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, MAX_BLOCKS,
+                        MAX_TENSORS, SIZES, STATE_FREE_RULES, STEP, TILE, WD, adamw_data,
+                        assert_equal, frugal_data, placed, sign_sgd_data)
+
+_C = extension()
+pytestmark = pytest.mark.skipif(_C is None, reason="frugal_kernels._C is not built")
+
+STATE_FREE_CODES = {rule: code for code, rule in enumerate(STATE_FREE_RULES)}
+
+
+def addresses(tensors):
+    return [t.data_ptr() for t in tensors]
+
+
+def placed_lists(data, names, misaligned):
+    """The lists of ``data`` placed in memory, those named in ``misaligned``
+    one element past 16-byte alignment."""
+    return [[placed(t, misaligned=name in misaligned) for t in ts] for name, ts in zip(names, data)]
+
+
+def launches_for(numels, chunk, max_tensors):
+    """The launch count the planner must reach (csrc/cuda/multi_tensor.h)."""
+    launches = tensors = blocks = 0
+    for n in numels:
+        if n == 0:
+            continue
+        chunks = -(-n // chunk)
+        tensors += 1
+        for c in range(chunks):
+            blocks += 1
+            last = c + 1 == chunks
+            if blocks == MAX_BLOCKS or (last and tensors == max_tensors):
+                launches += 1
+                blocks = 0
+                tensors = 0 if last else 1
+    return launches + (blocks > 0)
+
+
+# ----------------------------------------------------------------- adamw_
+
+class AdamWCase:
+    def __init__(self, numels, dtype, *, seed=0, misaligned=(), maximize=False):
+        self.numels, self.dtype, self.maximize = list(numels), dtype, maximize
+        self.p, self.g, self.m, self.v = placed_lists(adamw_data(numels, dtype, seed), "pgmv",
+                                                      misaligned)
+
+    def run_cpu(self):
+        p, m, v = ([t.clone() for t in ts] for ts in (self.p, self.m, self.v))
+        _C.adamw_cpu(addresses(p), addresses(self.g), addresses(m), addresses(v), self.numels,
+                     DTYPE_CODES[self.dtype], LR, BETA1, BETA2, EPS, WD, STEP, self.maximize,
+                     torch.get_num_threads())
+        return p, m, v
+
+    def run_emulated(self, lr=LR, step=STEP, lr_ptr=0, step_ptr=0):
+        return _C.adamw_cuda_emulated(addresses(self.p), addresses(self.g), addresses(self.m),
+                                      addresses(self.v), self.numels, DTYPE_CODES[self.dtype], lr,
+                                      BETA1, BETA2, EPS, WD, step, self.maximize, lr_ptr, step_ptr)
+
+    def check(self, **kw):
+        want = self.run_cpu()
+        launches = self.run_emulated(**kw)
+        for name, got, w in zip(("params", "exp_avgs", "exp_avg_sqs"), (self.p, self.m, self.v),
+                                want):
+            assert_equal(name, got, w)
+        return launches
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adamw_sizes(dtype, misaligned):
+    case = AdamWCase(SIZES, dtype, misaligned=("p", "g", "m", "v") if misaligned else ())
+    assert case.check() == 1
+
+
+def test_adamw_maximize():
+    assert AdamWCase([5, CHUNK + 3], torch.float32, maximize=True).check() == 1
+
+
+@pytest.mark.parametrize("which", ["p", "g", "m", "v"])
+def test_adamw_one_misaligned_list_takes_the_scalar_path(which):
+    # The emulator raises on a 16-byte access at a misaligned address, so
+    # this fails if any pointer is left out of the alignment check.
+    AdamWCase([CHUNK + 9], torch.bfloat16, misaligned=(which,)).check()
+
+
+def test_adamw_more_tensors_than_one_launch_holds():
+    gen = torch.Generator().manual_seed(1)
+    numels = [int(n) for n in torch.randint(1, 3 * TILE, (100,), generator=gen)]
+    numels[10] = numels[50] = 0
+    launches = AdamWCase(numels, torch.float16, seed=1).check()
+    assert launches == launches_for(numels, CHUNK, MAX_TENSORS["adamw"]) >= 3
+
+
+def test_adamw_more_blocks_than_one_launch_holds():
+    # 382 chunks: the first tensor spans two launches and the next ones join
+    # it in the second, where it must still be found in its table slot.
+    numels = [350 * CHUNK + 3, 5, 30 * CHUNK]
+    launches = AdamWCase(numels, torch.bfloat16, seed=2).check()
+    assert launches == launches_for(numels, CHUNK, MAX_TENSORS["adamw"]) == 2
+
+
+# lr and step as float32, what a device tensor holds (both exactly).
+LR32 = torch.tensor(LR, dtype=torch.float32)
+STEP32 = torch.tensor(STEP, dtype=torch.float32)
+BY_VALUE = {"lr": LR, "step": STEP}
+
+
+def by_pointer(which):
+    """Emulated-call arguments that pass lr and/or step by host address. The
+    value beside a pointer is junk, as the ops layer passes 0.0: the pointer
+    must win."""
+    kw = dict(BY_VALUE)
+    if which in ("lr", "both"):
+        kw.update(lr=0.0, lr_ptr=LR32.data_ptr())
+    if which in ("step", "both"):
+        kw.update(step=0.0, step_ptr=STEP32.data_ptr())
+    return kw
+
+
+@pytest.mark.parametrize("which", ["lr", "step", "both"])
+def test_adamw_device_scalars(which):
+    values = AdamWCase([CHUNK + 5, 77], torch.bfloat16, seed=3)
+    pointers = AdamWCase([CHUNK + 5, 77], torch.bfloat16, seed=3)
+    values.run_emulated(**BY_VALUE)
+    pointers.run_emulated(**by_pointer(which))
+    for name in ("p", "m", "v"):
+        assert_equal(name, getattr(pointers, name), getattr(values, name))
+
+
+# -------------------------------------------------------------- sign_sgd_
+
+class SignSgdCase:
+    def __init__(self, numels, dtype, *, seed=0, misaligned=()):
+        self.numels, self.dtype = list(numels), dtype
+        self.p, self.g = placed_lists(sign_sgd_data(numels, dtype, seed), "pg", misaligned)
+
+    def run_emulated(self, lr=LR, lr_ptr=0):
+        return _C.sign_sgd_cuda_emulated(addresses(self.p), addresses(self.g), self.numels,
+                                         DTYPE_CODES[self.dtype], lr, WD, 0.5, lr_ptr)
+
+    def check(self):
+        want = [t.clone() for t in self.p]
+        _C.sign_sgd_cpu(addresses(want), addresses(self.g), self.numels, DTYPE_CODES[self.dtype],
+                        LR, WD, 0.5, torch.get_num_threads())
+        launches = self.run_emulated()
+        assert_equal("params", self.p, want)
+        return launches
+
+
+@pytest.mark.parametrize("misaligned", [(), ("p",), ("g",), ("p", "g")],
+                         ids=["aligned", "p-misaligned", "g-misaligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sign_sgd_sizes(dtype, misaligned):
+    assert SignSgdCase(SIZES, dtype, misaligned=misaligned).check() == 1
+
+
+def test_sign_sgd_more_tensors_than_one_launch_holds():
+    gen = torch.Generator().manual_seed(4)
+    numels = [int(n) for n in torch.randint(1, 2 * TILE, (150,), generator=gen)]
+    launches = SignSgdCase(numels, torch.float32, seed=4).check()
+    assert launches == launches_for(numels, CHUNK, MAX_TENSORS["sign_sgd"]) >= 3
+
+
+def test_sign_sgd_more_blocks_than_one_launch_holds():
+    numels = [700 * CHUNK + 11, 3]
+    launches = SignSgdCase(numels, torch.bfloat16, seed=5).check()
+    assert launches == launches_for(numels, CHUNK, MAX_TENSORS["sign_sgd"]) == 3
+
+
+def test_sign_sgd_device_lr():
+    values = SignSgdCase([CHUNK + 5, 77], torch.float16, seed=6)
+    pointers = SignSgdCase([CHUNK + 5, 77], torch.float16, seed=6)
+    values.run_emulated(lr=BY_VALUE["lr"])
+    pointers.run_emulated(lr=0.0, lr_ptr=LR32.data_ptr())
+    assert_equal("params", pointers.p, values.p)
+
+
+# ----------------------------------------------------------- frugal_step_
+
+class FrugalCase:
+    def __init__(self, kind, shapes, dtype, index_dtype, *, mode="sign", seed=0,
+                 misaligned=()):
+        self.kind, self.dtype, self.index_dtype, self.mode = kind, dtype, index_dtype, mode
+        data = frugal_data(kind, shapes, dtype, index_dtype, seed)
+        self.p, self.g, self.m, self.v, self.idx = placed_lists(data, "pgmvi", misaligned)
+
+    def args(self, p, m, v):
+        views = [matrix_view(t, self.kind) for t in self.p]
+        return [addresses(p), addresses(self.g), addresses(m), addresses(v),
+                [t.numel() for t in self.p], addresses(self.idx), [r for _, r, _ in views],
+                [c for _, _, c in views], [i.numel() for i in self.idx], views[0][0],
+                self.index_dtype == torch.int32, DTYPE_CODES[self.dtype]]
+
+    def run_cpu(self):
+        p, m, v = ([t.clone() for t in ts] for ts in (self.p, self.m, self.v))
+        _C.frugal_step_cpu(*self.args(p, m, v), LR, BETA1, BETA2, EPS, WD, STEP, 0.5,
+                           STATE_FREE_CODES[self.mode], torch.get_num_threads())
+        return p, m, v
+
+    def run_emulated(self, lr=LR, step=STEP, lr_ptr=0, step_ptr=0):
+        return _C.frugal_step_cuda_emulated(*self.args(self.p, self.m, self.v), lr, BETA1, BETA2,
+                                            EPS, WD, step, 0.5, STATE_FREE_CODES[self.mode], lr_ptr,
+                                            step_ptr)
+
+    def check(self):
+        want = self.run_cpu()
+        launches = self.run_emulated()
+        for name, got, w in zip(("params", "exp_avgs", "exp_avg_sqs"), (self.p, self.m, self.v),
+                                want):
+            assert_equal(name, got, w)
+        return launches
+
+
+@pytest.mark.parametrize("misaligned", [(), ("p", "g")], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(FRUGAL_SHAPES))
+def test_frugal_step(kind, dtype, index_dtype, misaligned):
+    for seed, mode in enumerate(STATE_FREE_RULES):
+        case = FrugalCase(kind, FRUGAL_SHAPES[kind], dtype, index_dtype, mode=mode, seed=seed,
+                          misaligned=misaligned)
+        assert case.check() == 1
+
+
+@pytest.mark.parametrize("which", ["p", "g"])
+def test_frugal_step_one_misaligned_list_takes_the_scalar_path(which):
+    FrugalCase("rows", FRUGAL_SHAPES["rows"], torch.float16, torch.int32,
+               misaligned=(which,)).check()
+
+
+def test_frugal_step_more_tensors_than_one_launch_holds():
+    shapes = [((int(r), int(c)), 0.3) for r, c in
+              torch.randint(1, 120, (60, 2), generator=torch.Generator().manual_seed(7))]
+    case = FrugalCase("rows", shapes, torch.bfloat16, torch.int64, seed=7)
+    numels = [t.numel() for t in case.p]
+    assert case.check() == launches_for(numels, CHUNK, MAX_TENSORS["frugal_step"]) >= 3
+
+
+def test_frugal_step_more_blocks_than_one_launch_holds():
+    # A long flat index list, where each block's searches start far from the
+    # list's beginning; the tensor spans two launches, the next joins it.
+    shapes = [((330 * CHUNK + 7,), 0.2), ((3000,), 0.5)]
+    case = FrugalCase("flat", shapes, torch.bfloat16, torch.int32, seed=8)
+    numels = [t.numel() for t in case.p]
+    assert case.check() == launches_for(numels, CHUNK, MAX_TENSORS["frugal_step"]) == 2
+
+
+@pytest.mark.parametrize("which", ["lr", "step", "both"])
+def test_frugal_step_device_scalars(which):
+    shapes = FRUGAL_SHAPES["columns"]
+    values = FrugalCase("columns", shapes, torch.float32, torch.int64, seed=9)
+    pointers = FrugalCase("columns", shapes, torch.float32, torch.int64, seed=9)
+    values.run_emulated(**BY_VALUE)
+    pointers.run_emulated(**by_pointer(which))
+    for name in ("p", "m", "v"):
+        assert_equal(name, getattr(pointers, name), getattr(values, name))
+
+
+# ------------------------------------------------------------------ build
+
+def test_cuda_kernels_are_built_where_nvcc_is():
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH: the CUDA kernels are not expected in this build")
+    if os.environ.get("FRUGAL_CUDA") == "0":
+        pytest.skip("FRUGAL_CUDA=0: the CUDA kernels were switched off")
+    info = frugal_kernels.build_info()
+    assert info["cuda"], (
+        "nvcc is on PATH but frugal_kernels._C was built without the CUDA kernels: rebuild with "
+        "`python setup.py build_ext --inplace` (FRUGAL_CUDA=auto or 1, not 0) and check the "
+        "CMake output for why CUDA was skipped")
+    assert info["nvcc_version"] and info["cuda_archs"], info

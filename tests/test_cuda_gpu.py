@@ -1,0 +1,194 @@
+"""The cuda backend on a GPU against the cpu backend, bit for bit.
+
+Both backends apply the same update rules (csrc/include/frugal) in the same
+order of operations with IEEE rounding (nvcc --fmad=false), so params and
+states must be equal after the same call on the same data. Skipped without a
+GPU; run on a GPU machine with ``pytest -m gpu``.
+"""
+
+import pytest
+import torch
+
+from frugal_kernels import ops
+from frugal_kernels.ops import _dispatch
+
+from cuda_cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES,
+                        STATE_FREE_RULES, STEP, TILE, WD, adamw_data, assert_equal, frugal_data,
+                        placed, sign_sgd_data)
+
+pytestmark = pytest.mark.gpu
+
+
+
+def hyper(**overrides):
+    return {"lr": LR, "beta1": BETA1, "beta2": BETA2, "eps": EPS, "weight_decay": WD,
+            "step": STEP, **overrides}
+
+
+@pytest.fixture(autouse=True)
+def cuda_backend():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: torch.cuda.is_available() is False")
+    reason = _dispatch.unavailable_reason("cuda", "cuda")
+    assert reason is None, f"a GPU is here but the cuda backend cannot run: {reason}"
+
+
+def on_gpu(tensors, misaligned=False):
+    return [placed(t, misaligned=misaligned, device="cuda") for t in tensors]
+
+
+def device_scalars():
+    """lr and step as 0-dim float32 tensors on the GPU, as capturable optimizers keep them."""
+    return (torch.tensor(LR, dtype=torch.float32, device="cuda"),
+            torch.tensor(STEP, dtype=torch.float32, device="cuda"))
+
+
+class no_host_sync:
+    """Makes any synchronising CUDA call inside the block raise."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# ----------------------------------------------------------------- adamw_
+
+def check_adamw(numels, dtype, *, seed=0, misaligned=False, maximize=False, steps=1,
+                scalars_on_device=False):
+    host = adamw_data(numels, dtype, seed)
+    dev = [on_gpu(ts, misaligned) for ts in host]
+    lr, step = device_scalars() if scalars_on_device else (LR, STEP)
+    for i in range(steps):
+        ops.adamw_(*host, **hyper(step=STEP + i), maximize=maximize, backend="cpu")
+        if scalars_on_device:
+            with no_host_sync():
+                ops.adamw_(*dev, **hyper(lr=lr, step=step), maximize=maximize, backend="cuda")
+            step += 1
+        else:
+            ops.adamw_(*dev, **hyper(step=STEP + i), maximize=maximize, backend="cuda")
+    for name, got, want in zip(("params", "exp_avgs", "exp_avg_sqs"), dev, host):
+        assert_equal(name, got, want)
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adamw(dtype, misaligned):
+    check_adamw(SIZES, dtype, misaligned=misaligned)
+
+
+def test_adamw_maximize_over_steps():
+    check_adamw([5, CHUNK + 3], torch.float32, maximize=True, steps=4)
+
+
+def test_adamw_many_tensors_and_blocks():
+    numels = [350 * CHUNK + 3] + [int(n) for n in torch.randint(
+        1, 3 * TILE, (100,), generator=torch.Generator().manual_seed(1))]
+    check_adamw(numels, torch.bfloat16, seed=1)
+
+
+def test_adamw_device_scalars_without_host_sync():
+    check_adamw([CHUNK + 5, 77], torch.bfloat16, seed=2, steps=3, scalars_on_device=True)
+
+
+# -------------------------------------------------------------- sign_sgd_
+
+def check_sign_sgd(numels, dtype, *, seed=0, misaligned=False, lr_on_device=False):
+    p, g = sign_sgd_data(numels, dtype, seed)
+    dp, dg = on_gpu(p, misaligned), on_gpu(g, misaligned)
+    ops.sign_sgd_(p, g, lr=LR, weight_decay=WD, scale=0.5, backend="cpu")
+    if lr_on_device:
+        lr, _ = device_scalars()
+        with no_host_sync():
+            ops.sign_sgd_(dp, dg, lr=lr, weight_decay=WD, scale=0.5, backend="cuda")
+    else:
+        ops.sign_sgd_(dp, dg, lr=LR, weight_decay=WD, scale=0.5, backend="cuda")
+    assert_equal("params", dp, p)
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sign_sgd(dtype, misaligned):
+    check_sign_sgd(SIZES, dtype, misaligned=misaligned)
+
+
+def test_sign_sgd_many_tensors_and_blocks():
+    numels = [700 * CHUNK + 11] + [int(n) for n in torch.randint(
+        1, 2 * TILE, (150,), generator=torch.Generator().manual_seed(3))]
+    check_sign_sgd(numels, torch.float16, seed=3)
+
+
+def test_sign_sgd_device_lr_without_host_sync():
+    check_sign_sgd([CHUNK + 5, 77], torch.bfloat16, seed=4, lr_on_device=True)
+
+
+# ----------------------------------------------------------- frugal_step_
+
+def check_frugal_step(kind, shapes, dtype, index_dtype, state_free, *, seed=0, misaligned=False,
+                      steps=1, scalars_on_device=False):
+    p, g, m, v, idx = frugal_data(kind, shapes, dtype, index_dtype, seed)
+    dp, dg = on_gpu(p, misaligned), on_gpu(g, misaligned)
+    dm, dv, didx = on_gpu(m), on_gpu(v), on_gpu(idx)
+    common = dict(kind=kind, state_free=state_free, state_free_scale=0.5)
+    lr, step = device_scalars() if scalars_on_device else (LR, STEP)
+    for i in range(steps):
+        ops.frugal_step_(p, g, m, v, idx, **common, **hyper(step=STEP + i), backend="cpu")
+        if scalars_on_device:
+            # check_indices=False: checking the indices reads them on the host.
+            with no_host_sync():
+                ops.frugal_step_(dp, dg, dm, dv, didx, **common, **hyper(lr=lr, step=step),
+                                 backend="cuda", check_indices=False)
+            step += 1
+        else:
+            ops.frugal_step_(dp, dg, dm, dv, didx, **common, **hyper(step=STEP + i),
+                             backend="cuda")
+    for name, got, want in zip(("params", "exp_avgs", "exp_avg_sqs"), (dp, dm, dv), (p, m, v)):
+        assert_equal(name, got, want)
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(FRUGAL_SHAPES))
+def test_frugal_step(kind, dtype, index_dtype, misaligned):
+    for seed, state_free in enumerate(STATE_FREE_RULES):
+        check_frugal_step(kind, FRUGAL_SHAPES[kind], dtype, index_dtype, state_free, seed=seed,
+                          misaligned=misaligned)
+
+
+def test_frugal_step_many_tensors_and_blocks():
+    sizes = torch.randint(1, 120, (60, 2), generator=torch.Generator().manual_seed(5))
+    check_frugal_step("rows", [((int(r), int(c)), 0.3) for r, c in sizes], torch.bfloat16,
+                      torch.int64, "sign", seed=5)
+    check_frugal_step("flat", [((330 * CHUNK + 7,), 0.2), ((3000,), 0.5)], torch.bfloat16,
+                      torch.int32, "sign", seed=6)
+
+
+def test_frugal_step_over_steps():
+    check_frugal_step("columns", FRUGAL_SHAPES["columns"], torch.float32, torch.int64, "sgd",
+                      seed=7, steps=4)
+
+
+@pytest.mark.parametrize("kind", list(FRUGAL_SHAPES))
+def test_frugal_step_device_scalars_without_host_sync(kind):
+    check_frugal_step(kind, FRUGAL_SHAPES[kind], torch.bfloat16, torch.int32, "sign", seed=8,
+                      steps=3, scalars_on_device=True)
+
+
+def test_launches_follow_the_current_stream():
+    side = torch.cuda.Stream()
+    p, g = sign_sgd_data([3 * CHUNK + 1], torch.float32, seed=9)
+    dp, dg = on_gpu(p), on_gpu(g)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # The copy waits behind a long kernel: an update launched on any
+        # other stream would run first and be overwritten by the copy.
+        torch.cuda._sleep(10_000_000)
+        dp[0].copy_(dg[0] * 2)
+        ops.sign_sgd_(dp, dg, lr=LR, weight_decay=WD, backend="cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    p[0].copy_(g[0] * 2)
+    ops.sign_sgd_(p, g, lr=LR, weight_decay=WD, backend="cpu")
+    assert_equal("params", dp, p)
