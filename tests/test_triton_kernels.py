@@ -1,9 +1,11 @@
 """The triton backend of every op against the reference (torch) and the C++ cpu backend.
 
 The kernels run on CPU tensors under the Triton interpreter: a fixture of this
-module sets TRITON_INTERPRET=1 for its tests only and (re)imports the kernel
-modules under it; triton itself is imported before, in its normal mode, so
-that the rest of the session (GPU tests, torch.compile) is not affected.
+module sets TRITON_INTERPRET=1 for its tests and (re)imports the kernel modules
+under it, and restores both afterwards. tests/conftest.py already sets the
+variable for whole sessions without CUDA; on a GPU machine the fixture keeps
+the rest of the session (GPU tests, torch.compile) on compiled Triton, which
+is also why it imports triton itself before setting the variable.
 They follow csrc/include/frugal/update_rules.h operation for operation, so they
 must equal the cpu backend bit for bit, in every dtype; against the torch
 reference (whose lerp / addcmul may fuse multiply-adds) fp32 results agree to
