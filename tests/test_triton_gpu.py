@@ -1,0 +1,126 @@
+"""The triton backend compiled on a CUDA GPU, against the C++ cpu backend.
+
+Skipped without CUDA; the interpreter tests of the same kernels are in
+test_triton_kernels.py. On the GPU the kernels must still give the cpu
+backend's bits: IEEE division and square root, no FMA contraction, and
+rounding to nearest even into bf16 / fp16 (NaN bits excepted: the GPU's
+conversions keep their own NaN patterns).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from frugal_kernels import ops
+from frugal_kernels.ops.frugal_step import state_shape, subset_dim
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+    pytest.mark.skipif("cpu" not in ops.usable_backends("cpu"),
+                       reason="frugal_kernels._C is not built (the cpu backend)"),
+]
+
+HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Mixed sizes with an empty tensor, partial tiles, and one of ~250 tiles.
+SIZES = [1, 7, 4097, 0, 1_000_003]
+FRUGAL_CASES = {
+    "rows": [((700, 7), 0.5), ((3, 2500), 0.67), ((1024, 1000), 0.25), ((5000,), 1.0)],
+    "columns": [((700, 7), 0.43), ((3, 2500), 0.5), ((1000, 1024), 0.25), ((4, 5), 0.0)],
+    "flat": [((700, 7), 0.5), ((1000, 1000), 0.25), ((4097,), 0.99)],
+}
+
+
+def assert_same_bits(actual, expected, what: str) -> None:
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        a = a.cpu()
+        ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+        differ = (a.view(ints) != e.view(ints)) & ~(a.isnan() & e.isnan())
+        count = int(differ.sum())
+        assert count == 0, f"{what}[{i}]: {count} of {a.numel()} values differ from the cpu backend"
+
+
+def scalars(lr: float, step: int, where: str):
+    """lr and step as the op takes them: numbers, or tensors on the GPU (read in the kernel)."""
+    if where == "host":
+        return lr, step
+    return (torch.tensor(lr, dtype=torch.float64, device="cuda"),
+            torch.tensor(float(step), dtype=torch.float32, device="cuda"))
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adamw_and_sign_sgd(dtype, where):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=gen).to(dtype) for n in SIZES]
+    ours = [[p.cuda() for p in params], [torch.zeros(n, device="cuda") for n in SIZES],
+            [torch.zeros(n, device="cuda") for n in SIZES]]
+    theirs = [[p.clone() for p in params], [torch.zeros(n) for n in SIZES],
+              [torch.zeros(n) for n in SIZES]]
+    for step in range(1, 4):
+        grads = [torch.randn(n, generator=gen).to(dtype) for n in SIZES]
+        lr, step_value = scalars(3e-2, step, where)
+        ops.adamw_(ours[0], [g.cuda() for g in grads], *ours[1:], lr=lr, step=step_value,
+                   backend="triton", **HYPER)
+        ops.adamw_(theirs[0], grads, *theirs[1:], lr=3e-2, step=step, backend="cpu", **HYPER)
+        ops.sign_sgd_(ours[0], [g.cuda() for g in grads], lr=lr, weight_decay=0.1, scale=0.5,
+                      backend="triton")
+        ops.sign_sgd_(theirs[0], grads, lr=3e-2, weight_decay=0.1, scale=0.5, backend="cpu")
+        for name, a, e in zip(("params", "exp_avgs", "exp_avg_sqs"), ours, theirs):
+            assert_same_bits(a, e, f"{name} at step {step}")
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["rows", "columns", "flat"])
+def test_frugal_step(kind, dtype, where):
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(shape, generator=gen).to(dtype) for shape, _ in FRUGAL_CASES[kind]]
+    indices = []
+    for p, (_, density) in zip(params, FRUGAL_CASES[kind]):
+        n = subset_dim(p, kind)
+        indices.append(torch.randperm(n, generator=gen)[:round(n * density)].sort().values)
+    moments = [torch.zeros(state_shape(p, kind, idx.numel())) for p, idx in zip(params, indices)]
+    ours = [[t.cuda() for t in params], [m.cuda() for m in moments], [m.cuda() for m in moments]]
+    theirs = [[t.clone() for t in params], [m.clone() for m in moments],
+              [m.clone() for m in moments]]
+    cuda_indices = [idx.int().cuda() for idx in indices]
+    for step in range(1, 4):
+        grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in params]
+        lr, step_value = scalars(2e-2, step, where)
+        ops.frugal_step_(ours[0], [g.cuda() for g in grads], *ours[1:], cuda_indices, kind=kind,
+                         lr=lr, step=step_value, state_free="sign", state_free_scale=0.5,
+                         backend="triton", **HYPER)
+        ops.frugal_step_(theirs[0], grads, *theirs[1:], indices, kind=kind, lr=2e-2, step=step,
+                         state_free="sign", state_free_scale=0.5, backend="cpu", **HYPER)
+        for name, a, e in zip(("params", "exp_avgs", "exp_avg_sqs"), ours, theirs):
+            assert_same_bits(a, e, f"{name} at step {step}")
+
+
+def test_device_scalars_do_not_sync():
+    """lr and step on the GPU are read by the kernels: no host synchronisation."""
+    p = torch.randn(10_000, device="cuda")
+    g = torch.randn(10_000, device="cuda")
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    idx = torch.arange(0, 10_000, 3, device="cuda")
+    fm, fv = torch.zeros(idx.numel(), device="cuda"), torch.zeros(idx.numel(), device="cuda")
+    lr, step = scalars(1e-3, 2, "device")
+
+    def run():
+        ops.adamw_([p], [g], [m], [v], lr=lr, step=step, backend="triton", **HYPER)
+        ops.sign_sgd_([p], [g], lr=lr, backend="triton")
+        ops.frugal_step_([p], [g], [fm], [fv], [idx], kind="flat", lr=lr, step=step,
+                         backend="triton", check_indices=False, **HYPER)
+
+    run()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
