@@ -5,10 +5,7 @@
 // AdamW and the rest get the state-free rule; every coordinate of p and g is
 // read once from memory and p is written once.
 #include "kernels.h"
-#include <type_traits>
-
 #include "loops.h"
-#include "masked_block_avx512.h"
 #include "parallel.h"
 
 namespace frugal {
@@ -90,13 +87,6 @@ struct Block {
     const int64_t n = tm.q_end - tm.q_begin;
     member_positions(tm, a, pos);
     const int64_t slot = tm.slot_base + tm.q_begin;
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>) {
-      masked_block_avx512<Mode>(p + a, g + a, m + slot, v + slot, pos, n, b - a, s.adamw,
-                                s.state_free);
-      return;
-    }
-#endif
     gather(p + a, g + a, pos, n, bp, bg);
     adamw_range(bp, bg, m + slot, v + slot, n, s.adamw);
     state_free_range<T, Mode>(p + a, g + a, b - a, s.state_free);

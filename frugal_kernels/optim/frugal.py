@@ -175,17 +175,21 @@ class FRUGAL(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = self._prepare_step()
-        if plan is not None:
-            self._apply(plan)
+        prepared = self._prepare_step()
+        if prepared is not None:
+            self._apply(*prepared)
         return loss
 
     @torch._dynamo.disable
-    def _prepare_step(self) -> Optional[List[_Bucket]]:
+    def _prepare_step(self) -> Optional[Tuple[List[_Bucket], List[List[Tensor]]]]:
         """Everything but the update: AMP checks, counters, subspace changes and
-        the plan of op calls. Kept out of torch.compile's graphs: it is Python
-        bookkeeping and random draws, and the plan it returns changes only at
-        subspace changes, so compiled steps reuse their graph in between."""
+        the plan of op calls, with each bucket's gradients. Kept out of
+        torch.compile's graphs: it is Python bookkeeping and random draws, and
+        the plan it returns changes only at subspace changes, so compiled steps
+        reuse their graph in between. The gradients are handed over as lists
+        rather than read from ``p.grad`` in the graph: a graph that reads them
+        from the parameters is tied to the gradient tensors themselves, and a
+        backward pass makes new ones each step."""
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf.item()):
             return None
@@ -209,11 +213,11 @@ class FRUGAL(Optimizer):
                  for p in b.params]
         if steps:
             torch._foreach_add_(steps, 1.0)
-        return self._plan
+        return self._plan, [[p.grad for p in b.params] for b in self._plan]
 
-    def _apply(self, plan: List[_Bucket]) -> None:
-        for bucket in plan:
-            self._run_bucket(bucket)
+    def _apply(self, plan: List[_Bucket], grads: List[List[Tensor]]) -> None:
+        for bucket, bucket_grads in zip(plan, grads):
+            self._run_bucket(bucket, bucket_grads)
 
     # ----------------------------------------------------------- subspace policy
 
@@ -364,11 +368,10 @@ class FRUGAL(Optimizer):
             self._lr_tensors[gi] = torch.tensor(float(group["lr"]), dtype=torch.float64)
         return self._lr_tensors[gi]
 
-    def _run_bucket(self, b: _Bucket) -> None:
+    def _run_bucket(self, b: _Bucket, grads: List[Tensor]) -> None:
         group = b.group
         beta1, beta2 = group["betas"]
         params = b.params
-        grads = [p.grad for p in params]
         lr, wd, eps = b.lr, group["weight_decay"], group["eps"]
         if b.rule == "state_free":
             self._state_free(params, grads, group, lr)

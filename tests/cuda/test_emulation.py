@@ -6,7 +6,7 @@ launches, so every index, chunking and vector-path decision of the kernels is
 checked here without a GPU. Both sides apply the same update rules in the same
 order of operations, so params and states must be *equal*, not close.
 
-The sizes are chosen around the kernels' constants (cuda_cases.py); the tests
+The sizes are chosen around the kernels' constants (cases.py); the tests
 that must cross a launch limit assert the number of launches the emulator
 reports, so that they fail rather than silently stop covering it when a
 constant changes.
@@ -23,7 +23,7 @@ from frugal_kernels._extension import extension
 from frugal_kernels.ops._common import DTYPE_CODES
 from frugal_kernels.ops.frugal_step import matrix_view
 
-from cuda_cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, MAX_BLOCKS,
+from .cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, MAX_BLOCKS,
                         MAX_TENSORS, SIZES, STATE_FREE_RULES, STEP, TILE, WD, adamw_data,
                         assert_equal, frugal_data, placed, sign_sgd_data)
 

@@ -12,7 +12,7 @@ import torch
 from frugal_kernels import ops
 from frugal_kernels.ops import _dispatch
 
-from cuda_cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES,
+from .cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES,
                         STATE_FREE_RULES, STEP, TILE, WD, adamw_data, assert_equal, frugal_data,
                         placed, sign_sgd_data)
 
