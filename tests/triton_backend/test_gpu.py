@@ -1,7 +1,7 @@
 """The triton backend compiled on a CUDA GPU, against the C++ cpu backend.
 
 Skipped without CUDA; the interpreter tests of the same kernels are in
-test_triton_kernels.py. On the GPU the kernels must still give the cpu
+test_kernels.py. On the GPU the kernels must still give the cpu
 backend's bits: IEEE division and square root, no FMA contraction, and
 rounding to nearest even into bf16 / fp16 (NaN bits excepted: the GPU's
 conversions keep their own NaN patterns).
@@ -102,6 +102,65 @@ def test_frugal_step(kind, dtype, where):
             assert_same_bits(a, e, f"{name} at step {step}")
 
 
+# lowrank_step_: (shape, rank, side) with ragged tiles (64 x 64 x 32), rank 1,
+# ranks past BLOCK_K, and one tensor of ~250 tiles.
+LOWRANK_CASES = [((65, 130), 1, 0), ((129, 1030), 70, 1), ((1000, 1024), 96, 0),
+                 ((5, 3, 13), 4, 1)]
+
+
+def lowrank_batch(dtype, gen, exact: bool):
+    """(params, grads, low_updates, low_grads, projections, sides). ``exact``: P of
+    -1 / 0 / 1 and low tensors of multiples of 1/64, so the back-projections are exact
+    in fp32 whatever the order of the sums; otherwise orthonormal P, as the optimizer's."""
+    columns = [[] for _ in range(5)]
+    for shape, rank, side in LOWRANK_CASES:
+        m = shape[0]
+        n = torch.Size(shape[1:]).numel()
+        p = torch.randn(shape, generator=gen).to(dtype)
+        g = torch.randn(shape, generator=gen).to(dtype)
+        proj_shape = (rank, n) if side == 0 else (m, rank)
+        if exact:
+            proj = torch.randint(-1, 2, proj_shape, generator=gen).float()
+            low_shape = (m, rank) if side == 0 else (rank, n)
+            lg = torch.randint(-64, 65, low_shape, generator=gen).float() / 64
+        else:
+            q, _ = torch.linalg.qr(torch.randn(max(proj_shape), rank, generator=gen))
+            proj = q.t().contiguous() if side == 0 else q.contiguous()
+            g2 = g.float().reshape(m, n)
+            lg = g2 @ proj.t() if side == 0 else proj.t() @ g2
+        u = torch.randint(-64, 65, lg.shape, generator=gen).float() / 64
+        for column, t in zip(columns, (p, g, u, lg, proj)):
+            column.append(t)
+    return columns + [[side for _, _, side in LOWRANK_CASES]]
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("state_free", ["sign", "sgd", "none"])
+def test_lowrank_step(state_free, dtype, where):
+    """Exact back-projections: the cpu backend's bits. Orthonormal P: the products are
+    IEEE fp32 (no TF32), so only signs of residuals within rounding of zero may differ."""
+    gen = torch.Generator().manual_seed(2)
+    lr = 0.7 if where == "host" else torch.tensor(0.7, dtype=torch.float64, device="cuda")
+    kw = dict(weight_decay=0.3, state_free=state_free, state_free_scale=0.5)
+    for exact in (True, False):
+        *tensors, sides = lowrank_batch(dtype, gen, exact)
+        ours = [t.cuda() for t in tensors[0]]
+        theirs = [t.clone() for t in tensors[0]]
+        ops.lowrank_step_(ours, *[[t.cuda() for t in c] for c in tensors[1:]], sides, lr=lr,
+                          backend="triton", **kw)
+        ops.lowrank_step_(theirs, *tensors[1:], sides, lr=0.7, backend="cpu", **kw)
+        if exact:
+            assert_same_bits(ours, theirs, "params (exact back-projections)")
+            continue
+        for i, (a, e) in enumerate(zip(ours, theirs)):
+            a, e = a.cpu().float(), e.float()
+            scale = 1e-5 if dtype == torch.float32 else 1e-2
+            apart = float(((a - e).abs() > scale * e.abs().clamp_min(1.0)).float().mean())
+            assert apart <= (0.002 if state_free == "sign" else 0.0), (
+                f"params[{i}]: {apart:.3%} of the coordinates apart from the cpu backend")
+
+
 def test_device_scalars_do_not_sync():
     """lr and step on the GPU are read by the kernels: no host synchronisation."""
     p = torch.randn(10_000, device="cuda")
@@ -109,6 +168,8 @@ def test_device_scalars_do_not_sync():
     m, v = torch.zeros_like(p), torch.zeros_like(p)
     idx = torch.arange(0, 10_000, 3, device="cuda")
     fm, fv = torch.zeros(idx.numel(), device="cuda"), torch.zeros(idx.numel(), device="cuda")
+    proj = torch.linalg.qr(torch.randn(100, 8, device="cuda"))[0].t().contiguous()
+    low = torch.randn(100, 8, device="cuda")
     lr, step = scalars(1e-3, 2, "device")
 
     def run():
@@ -116,6 +177,8 @@ def test_device_scalars_do_not_sync():
         ops.sign_sgd_([p], [g], lr=lr, backend="triton")
         ops.frugal_step_([p], [g], [fm], [fv], [idx], kind="flat", lr=lr, step=step,
                          backend="triton", check_indices=False, **HYPER)
+        ops.lowrank_step_([p.view(100, 100)], [g.view(100, 100)], [low], [low], [proj], [0],
+                          lr=lr, backend="triton")
 
     run()  # compiles the kernels
     torch.cuda.synchronize()

@@ -31,7 +31,7 @@ from frugal_kernels.ops.frugal_step import state_shape, subset_dim
 if importlib.util.find_spec("triton") is None:
     pytest.skip("the triton backend needs triton installed", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 7, 4097, 0, 20_000]  # in one call: mixed sizes, an empty tensor, partial tiles
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)

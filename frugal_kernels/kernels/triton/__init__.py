@@ -1,8 +1,12 @@
-"""Triton kernels of the fused ops, one file per op: ``adamw``, ``sign_sgd``, ``frugal_step``.
+"""Triton kernels of the fused ops, one file per op: ``adamw``, ``sign_sgd``, ``frugal_step``,
+``lowrank_step``.
 
 Each file holds the kernel and the host function that packs its launch table
-(``_common``) and launches it once per call for the whole list of tensors. The
+(``_common``) and launches it once per call for the whole list of tensors;
+``lowrank_step``, whose GEMMs dominate, launches once per tensor. The
 kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``
 (the tests). Their arithmetic follows csrc/include/frugal/update_rules.h
-operation by operation, so fp32 results equal the C++ backend's bit for bit.
+operation by operation, so fp32 results equal the C++ backend's bit for bit
+(for ``lowrank_step``, wherever the back-projections are the same: GEMMs that
+sum in another order round differently).
 """

@@ -1,7 +1,8 @@
 """What the Triton kernels share: the launch table, the scalars, per-tile helpers.
 
-Every kernel updates a whole list of tensors in one launch. The host packs one
-int64 table per call (``launch_table``)::
+Every elementwise kernel updates a whole list of tensors in one launch (the
+GEMM kernel of ``lowrank_step`` launches once per tensor and only uses the
+tail). The host packs one int64 table per call (``launch_table``)::
 
     [0, n]          first block of each tensor, then the total: block starts
     [n + 1, ...)    one record per tensor: addresses and sizes (fields per op)
