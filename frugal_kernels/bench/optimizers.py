@@ -90,14 +90,29 @@ def optimizer_factories(model: nn.Module) -> Dict[str, Callable[[], torch.optim.
         "paper_loop_blocks": lambda: PaperStyleFRUGAL(fk.param_groups(model), density=0.25,
                                                       **hyper),
     }
-    for name, factory in _optional_peers(params, hyper).items():
+    for name, factory in _optional_peers(model, hyper).items():
         factories[name] = factory
     return factories
 
 
-def _optional_peers(params, hyper) -> Dict[str, Callable[[], torch.optim.Optimizer]]:
+def _optional_peers(model, hyper) -> Dict[str, Callable[[], torch.optim.Optimizer]]:
+    """Peers measured when their package is installed (never installed by us)."""
+    params = list(model.parameters())
     peers = {}
+    try:
+        from galore_torch import GaLoreAdamW
+
+        def galore():
+            regular, projected = fk.param_groups(model)
+            rank = max(1, min(p.shape[0] for p in projected["params"]) // 4)
+            return GaLoreAdamW([regular, {"params": projected["params"], "rank": rank,
+                                          "update_proj_gap": 200, "scale": 0.25,
+                                          "proj_type": "std"}], **hyper)
+        peers["galore_adamw_rank_d/4"] = galore
+    except ImportError:
+        pass
     if params[0].device.type == "cuda":
+        # bitsandbytes' and torchao's low-bit optimizers are GPU kernels.
         try:
             import bitsandbytes as bnb
             peers["bnb_adamw8bit"] = lambda: bnb.optim.AdamW8bit(params, **hyper)

@@ -16,6 +16,7 @@ pass; ``torch`` is the reference. There is no ``cuda`` backend: on GPUs
 
 from __future__ import annotations
 
+import math
 from typing import List, Sequence
 
 import torch
@@ -49,7 +50,7 @@ def _check(params, grads, low_updates, low_grads, projections, sides, weight_dec
                              "need a matrix (tensors of more dims are seen as [shape[0], rest])")
         if side not in (RIGHT, LEFT):
             raise ValueError(f"{OP}: sides[{i}] must be {RIGHT} (right) or {LEFT} (left)")
-        m, n_ = p.shape[0], p.numel() // p.shape[0]
+        m, n_ = p.shape[0], math.prod(p.shape[1:])
         if proj.dim() != 2:
             raise ValueError(f"{OP}: projections[{i}] must be a matrix")
         r = proj.shape[0] if side == RIGHT else proj.shape[1]
@@ -76,11 +77,13 @@ def _lowrank_step_op(params: List[Tensor], grads: List[Tensor], low_updates: Lis
     _check(params, grads, low_updates, low_grads, projections, sides, weight_decay, state_free,
            state_free_scale)
     check_scalars(OP, lr)
-    if not params:
+    keep = [i for i, p in enumerate(params) if p.numel() > 0]
+    if not keep:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
-    impl(params, [g.contiguous() for g in grads], low_updates, low_grads, projections, sides, lr,
-         weight_decay, state_free, state_free_scale)
+    impl(*([lst[i] for i in keep] for lst in (params, [g.contiguous() for g in grads],
+                                               low_updates, low_grads, projections, sides)),
+         lr, weight_decay, state_free, state_free_scale)
 
 
 @_lowrank_step_op.register_fake

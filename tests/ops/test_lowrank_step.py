@@ -109,3 +109,15 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.frugal.lowrank_step_.default,
                           ([p], [g], [u], [lg], [proj], [RIGHT], torch.tensor(0.1), 0.01, "sign",
                            1.0, "auto"))
+
+
+@pytest.mark.parametrize("backend", cpu_backends(OP))
+@pytest.mark.parametrize("shape,side", [((0, 5), RIGHT), ((5, 0), LEFT), ((0, 3, 4), RIGHT)])
+def test_empty_tensors(backend, shape, side):
+    p = torch.empty(shape)
+    m, n = shape[0], shape[1] * (shape[2] if len(shape) > 2 else 1)
+    proj = torch.zeros((1, n) if side == RIGHT else (m, 1))
+    low = torch.zeros((m, 1) if side == RIGHT else (1, n))
+    ops.lowrank_step_([p], [p.clone()], [low], [low.clone()], [proj], [side], lr=0.1,
+                      backend=backend)
+    assert p.shape == shape
