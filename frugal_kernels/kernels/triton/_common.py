@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -92,6 +92,21 @@ def sign_scalars(lr: float, weight_decay: float, scale: float) -> Tuple[float, f
 
 def scalars_on_device(*scalars: Tensor) -> bool:
     return any(s.device.type != "cpu" for s in scalars)
+
+
+def start(params: Sequence[Tensor], scalars: Sequence[Tensor],
+          scalars_in_kernel: Optional[bool]) -> Tuple[List[int], Optional[torch.device], bool]:
+    """What every op wrapper begins with: the non-empty tensors' positions (an
+    empty tensor owns no block), their device, and whether the kernel derives
+    its scalars itself (by default: when any of ``scalars`` lives on the device)."""
+    items = [i for i, p in enumerate(params) if p.numel() > 0]
+    if not items:
+        return items, None, False
+    device = params[0].device
+    check_device(device)
+    if scalars_in_kernel is None:
+        scalars_in_kernel = scalars_on_device(*scalars)
+    return items, device, bool(scalars_in_kernel)
 
 
 def device_scalars(scalars: Sequence[Tensor], device: torch.device) -> List[Tensor]:

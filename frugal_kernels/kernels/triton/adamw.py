@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, check_device, device_scalars,
-    f64_bits, field_ptr, find_tile, launch_table, load_tile, log_beta, scalars_on_device,
-    store_tile, tail_f64, tail_scalar)
+    TL_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, device_scalars, f64_bits,
+    field_ptr, find_tile, launch_table, load_tile, log_beta, start, store_tile, tail_f64,
+    tail_scalar)
 
 # Not tuned on hardware yet (no GPU at hand when written): 16 fp32 values per
 # thread give four 16-byte loads per stream in flight, a usual choice for a
@@ -102,13 +102,9 @@ def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence
     either lives on the device) makes the kernel read them and derive its
     scalars itself; the tests force it to run that path on the CPU.
     """
-    items = [i for i, p in enumerate(params) if p.numel() > 0]
+    items, device, scalars_in_kernel = start(params, (lr, step), scalars_in_kernel)
     if not items:
         return
-    device = params[0].device
-    check_device(device)
-    if scalars_in_kernel is None:
-        scalars_in_kernel = scalars_on_device(lr, step)
     tail, alive = [], []
     if scalars_in_kernel:
         alive = device_scalars((lr, step), device)

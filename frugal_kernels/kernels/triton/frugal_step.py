@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, TL_INDEX_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, check_device,
-    device_scalars, f64_bits, field_ptr, find_tile, from_param, launch_table, load_tile, log_beta,
-    scalars_on_device, sign_scalars, store_tile, tail_f64, tail_scalar, to_param)
+    TL_DTYPES, TL_INDEX_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, device_scalars,
+    f64_bits, field_ptr, find_tile, from_param, launch_table, load_tile, log_beta, sign_scalars,
+    start, store_tile, tail_f64, tail_scalar, to_param)
 from frugal_kernels.kernels.triton.adamw import adamw_update
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
 from frugal_kernels.ops.frugal_step import matrix_view
@@ -201,13 +201,9 @@ def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
 
     ``lr`` and ``step`` are 0-dim tensors; ``scalars_in_kernel`` as for ``adamw_``.
     """
-    items = [i for i, p in enumerate(params) if p.numel() > 0]
+    items, device, scalars_in_kernel = start(params, (lr, step), scalars_in_kernel)
     if not items:
         return
-    device = params[0].device
-    check_device(device)
-    if scalars_in_kernel is None:
-        scalars_in_kernel = scalars_on_device(lr, step)
     tail, alive = [], []
     if scalars_in_kernel:
         alive = device_scalars((lr, step), device)

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    check_device, device_scalars, f64_bits, from_param, launch_table, scalars_on_device,
-    sign_scalars, tail_f64, tail_scalar, to_param)
+    device_scalars, f64_bits, from_param, launch_table, sign_scalars, start, tail_f64,
+    tail_scalar, to_param)
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
 from frugal_kernels.reference import RIGHT
 
@@ -147,13 +147,9 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
 
     ``lr`` is a 0-dim tensor; ``scalars_in_kernel`` as for ``adamw_``.
     """
-    items = [i for i, p in enumerate(params) if p.numel() > 0]
+    items, device, scalars_in_kernel = start(params, (lr,), scalars_in_kernel)
     if not items:
         return
-    device = params[0].device
-    check_device(device)
-    if scalars_in_kernel is None:
-        scalars_in_kernel = scalars_on_device(lr)
     tail, alive = None, []
     if scalars_in_kernel:
         alive = device_scalars((lr,), device)

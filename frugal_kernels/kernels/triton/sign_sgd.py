@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, aligned, check_device, device_scalars, f64_bits, field_ptr, find_tile,
-    launch_table, load_tile, scalars_on_device, sign_scalars, store_tile, tail_f64, tail_scalar)
+    TL_DTYPES, aligned, device_scalars, f64_bits, field_ptr, find_tile, launch_table, load_tile,
+    sign_scalars, start, store_tile, tail_f64, tail_scalar)
 
 # Not tuned on hardware yet; as for adamw: two streams of 16 values per thread.
 BLOCK = 4096
@@ -82,13 +82,9 @@ def sign_sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], *, lr: Tensor,
 
     ``lr`` is a 0-dim tensor; ``scalars_in_kernel`` as for ``adamw_``.
     """
-    items = [i for i, p in enumerate(params) if p.numel() > 0]
+    items, device, scalars_in_kernel = start(params, (lr,), scalars_in_kernel)
     if not items:
         return
-    device = params[0].device
-    check_device(device)
-    if scalars_in_kernel is None:
-        scalars_in_kernel = scalars_on_device(lr)
     tail, alive = [], []
     if scalars_in_kernel:
         alive = device_scalars((lr,), device)
