@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -21,11 +23,189 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _train_config(args: argparse.Namespace, base):
+    """``base`` with the options given on the command line."""
+    options = {field: getattr(args, field) for field in (
+        "model", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "eval_every",
+        "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes")}
+    options = {k: v for k, v in options.items() if v is not None}
+    if args.no_grad_clip:
+        options["grad_clip"] = None
+    if args.steps is not None:
+        options.update(_schedule(args.steps, base, args))
+    return dataclasses.replace(base, device=_device(args.device), **options)
+
+
+def _schedule(steps: int, base, args: argparse.Namespace) -> dict:
+    """``steps`` with the warmup and the evaluation interval in the proportion ``base`` has
+    them, unless given: a short run still warms up and gets evaluations for the governor."""
+    warmup = args.warmup_steps
+    if warmup is None:
+        warmup = steps * base.warmup_steps // base.steps
+    eval_every = args.eval_every
+    if eval_every is None:
+        eval_every = max(1, steps * base.eval_every // base.steps)
+    return {"steps": steps, "warmup_steps": warmup, "eval_every": eval_every}
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from frugal_kernels import demo
+
+    config = _train_config(args, demo.DEFAULTS)
+    names = demo.resolve(args.optimizers)
+    print(f"frugal-kernels demo: the {config.model} model, {config.steps} steps of "
+          f"{config.batch_size}x{config.seq_len} tokens, on {config.device}, with "
+          f"{', '.join(demo.OPTIMIZERS[n].label for n in names)}")
+    metrics = demo.run_demo(config, names, out=args.out, progress=not args.no_progress)
+    print()
+    print(demo.table(metrics))
+    print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
+    print(f"results in {metrics['out']}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from frugal_kernels import demo
+    from frugal_kernels.data import load_corpus
+    from frugal_kernels.model import LlamaForCausalLM
+    from frugal_kernels.train import TrainConfig, steps_for_budget, train
+
+    config = _train_config(args, TrainConfig())
+    data = load_corpus(config.data, max_bytes=config.max_bytes)
+    if args.flop_budget is not None:
+        governor = {k: v for k, v in (("window", args.governor_window),
+                                      ("patience", args.governor_patience),
+                                      ("min_improvement", args.governor_min_improvement))
+                    if v is not None}
+        config = dataclasses.replace(config, flop_budget=args.flop_budget, governor=governor)
+        if args.steps is None:
+            steps = steps_for_budget(args.flop_budget, config, data.vocab_size)
+            config = dataclasses.replace(config, **_schedule(steps, TrainConfig(), args))
+    out = args.out or Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+    model = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
+    entry = demo.OPTIMIZERS[args.optimizer]
+    print(f"frugal-kernels train: {entry.label} on the {config.model} model "
+          f"({sum(p.numel() for p in model.parameters()):,} parameters), {config.steps} steps of "
+          f"{config.batch_size}x{config.seq_len} tokens on {config.device}"
+          + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else ""))
+    started = time.perf_counter()
+    result = train(config, entry.make, model=model, data=data, name=entry.label,
+                   progress=not args.no_progress)
+    metrics = demo.collect_metrics(config, data, {args.optimizer: result},
+                                   time.perf_counter() - started)
+    files = demo.write(metrics, Path(out), "train")
+    if args.save_model:
+        torch.save(model.state_dict(), Path(out) / "model.pt")
+        files.append(str(Path(out) / "model.pt"))
+    print()
+    print(demo.table(metrics))
+    print(f"\n{result.stop_reason}")
+    if result.decisions:
+        actions = [d["action"] for d in result.decisions]
+        print(f"governor: {len(actions)} evaluations, {actions.count('reallocate')} "
+              f"reallocations; {result.flops:.4g} of {config.flop_budget:.4g} FLOPs spent")
+    print("wrote " + ", ".join(files))
+    return 0
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
+    from frugal_kernels.model import PRESETS
+
+    add = parser.add_argument
+    add("--model", choices=sorted(PRESETS),
+        help=f"model preset (default: {defaults.model}); tiny and small suit a CPU, 20m, 60m "
+             "and 130m (the FRUGAL paper's LLaMA shapes, here with the 256-byte vocabulary) "
+             "want a GPU")
+    add("--steps", type=int, help=f"optimizer steps (default: {defaults.steps})")
+    add("--batch-size", type=int, help=f"sequences per step (default: {defaults.batch_size})")
+    add("--seq-len", type=int, help=f"bytes per sequence (default: {defaults.seq_len})")
+    add("--lr", type=float,
+        help=f"peak learning rate of every optimizer (default: {defaults.lr:g})")
+    add("--warmup-steps", type=int,
+        help=f"linear warmup before the cosine decay (default: {defaults.warmup_steps}, "
+             "scaled with --steps)")
+    add("--eval-every", type=int,
+        help=f"steps between validation passes (default: {defaults.eval_every}, scaled with "
+             "--steps)")
+    add("--eval-batches", type=int,
+        help=f"fixed validation batches per pass (default: {defaults.eval_batches})")
+    add("--grad-clip", type=float,
+        help=f"clip the gradient norm to this (default: {defaults.grad_clip:g})")
+    add("--no-grad-clip", action="store_true", help="do not clip gradients")
+    add("--weight-decay", type=float,
+        help=f"decoupled weight decay (default: {defaults.weight_decay:g})")
+    add("--seed", type=int, help=f"seed of the initial weights and the batches (default: "
+                                 f"{defaults.seed})")
+    add("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: a GPU if any)")
+    add("--data", help="a text file or a folder of .txt/.md/.py files to train on (default: the "
+                       "Python standard library's sources, already on this machine); "
+                       "hf:NAME[:CONFIG] streams a Hugging Face dataset (needs `datasets`; "
+                       "downloads)")
+    add("--max-bytes", type=int,
+        help=f"read at most this many bytes of data (default: {defaults.max_bytes:,})")
+    add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>)")
+    add("--no-progress", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="frugal-kernels",
         description="Memory-frugal LLM training: FRUGAL-family optimizers on fused kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
+    from frugal_kernels import demo
+    from frugal_kernels.train import TrainConfig
+
+    demo_parser = sub.add_parser(
+        "demo", help="train one model with AdamW, FRUGAL and AdaFRUGAL and compare them",
+        description="Train the same model from the same initialisation on the same batches "
+                    "with each optimizer (by default AdamW, FRUGAL rho=0.25, AdaFRUGAL and "
+                    "AdaFRUGAL under the compute governor with the full run's FLOPs as budget), "
+                    "then print a table of validation loss, optimizer state, peak memory and "
+                    "step time, and write metrics.json and demo.png. The defaults take about "
+                    "4 minutes on a 2-core CPU.")
+    demo_parser.add_argument(
+        "--optimizers", nargs="+", metavar="NAME", default=list(demo.OPTIMIZERS),
+        choices=list(demo.OPTIMIZERS),
+        help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)} (default: all); a governed "
+             "run brings the run its budget comes from")
+    _add_training_arguments(demo_parser, demo.DEFAULTS)
+    demo_parser.set_defaults(func=_demo)
+
+    train_defaults = TrainConfig()
+    train_parser = sub.add_parser(
+        "train", help="train the model with one optimizer, optionally under a FLOP budget",
+        description="Train a LLaMA-style model with one optimizer and write every per-step "
+                    "metric to metrics.json with a plot. With --flop-budget the run is governed: "
+                    "the compute governor sees each validation loss, may reallocate (grow "
+                    "AdaFRUGAL's T, shrink its rho) and stops the run when the rest of the "
+                    "budget is not worth spending; without --steps the run is as long as the "
+                    "budget pays for.")
+    trainable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
+    train_parser.add_argument("--optimizer", default="adafrugal", choices=trainable,
+                              help="the optimizer (default: adafrugal)")
+    train_parser.add_argument("--flop-budget", type=float, metavar="F",
+                              help="total FLOPs the run may spend (model and optimizer)")
+    train_parser.add_argument("--governor-window", type=int,
+                              help="evaluations the governor fits the loss slope on (default 5)")
+    train_parser.add_argument("--governor-patience", type=int,
+                              help="evaluations under the threshold before a stop (default 3)")
+    train_parser.add_argument("--governor-min-improvement", type=float,
+                              help="relative loss improvement under which the rest of the "
+                                   "budget is not worth spending (default 0.005)")
+    train_parser.add_argument("--save-model", action="store_true",
+                              help="also write the trained weights to model.pt")
+    _add_training_arguments(train_parser, train_defaults)
+    train_parser.set_defaults(func=_train)
 
     bench = sub.add_parser(
         "bench", help="time the fused ops and optimizer steps on this machine",

@@ -1,0 +1,399 @@
+"""A training loop for the LLaMA model on a byte corpus, with the metrics the demo reports.
+
+:func:`train` runs one optimizer for one :class:`TrainConfig` and returns a :class:`RunResult`
+holding, per step, the training loss, the step and optimizer times, the optimizer-state bytes,
+the FLOPs spent so far and the peak memory; per evaluation, the validation loss; and every
+decision of the compute governor when the run has a FLOP budget.
+
+Example::
+
+    config = TrainConfig(model="tiny", steps=100, batch_size=8, seq_len=64)
+    result = train(config, lambda model, cfg: torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+    print(result.final_val_loss, result.state_bytes)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import re
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from frugal_kernels.data import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
+from frugal_kernels.governor import Governor, optimizer_flops
+from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
+from frugal_kernels.optim.frugal import _release_freed_memory
+
+__all__ = [
+    "OptimizerFactory",
+    "RunResult",
+    "TrainConfig",
+    "lr_factor",
+    "optimizer_state_bytes",
+    "optimizer_step_flops",
+    "steps_for_budget",
+    "train",
+]
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run; plain values, so that it is saved with the metrics.
+
+    The learning rate warms up linearly over ``warmup_steps`` and then follows a cosine down
+    to ``min_lr_ratio * lr`` at ``steps``. Validation runs every ``eval_every`` steps and at
+    the end, on the same ``eval_batches`` batches of ``batch_size`` each time.
+    ``flop_budget`` puts the run under a :class:`~frugal_kernels.Governor` built with
+    ``governor`` (its keyword arguments).
+
+    The defaults are those of ``frugal-kernels demo``, chosen by measurement on a 2-core CPU
+    (docs/demo.md): about a minute per run, and at a fixed compute, 1200 steps of 4 sequences
+    reached a lower loss than 300 of 16, for AdamW and FRUGAL alike.
+    """
+
+    model: str = "small"
+    steps: int = 1200
+    batch_size: int = 4
+    seq_len: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 120
+    min_lr_ratio: float = 0.1
+    grad_clip: Optional[float] = 1.0
+    eval_every: int = 80
+    eval_batches: int = 32
+    seed: int = 0
+    device: str = "cpu"
+    data: Optional[str] = None
+    max_bytes: Optional[int] = DEFAULT_MAX_BYTES
+    flop_budget: Optional[float] = None
+    governor: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be at least 2, got {self.seq_len}")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"warmup_steps must lie in [0, steps={self.steps}], "
+                             f"got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+
+    def model_config(self, vocab_size: int) -> LlamaConfig:
+        return LlamaConfig.from_preset(self.model, vocab_size=vocab_size,
+                                       max_seq_len=self.seq_len)
+
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+# An optimizer factory gets the model and the run's config (steps, lr, weight decay).
+OptimizerFactory = Callable[[nn.Module, TrainConfig], Optimizer]
+
+
+def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the base lr for update ``step`` (0-based): linear warmup, then cosine."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def optimizer_state_bytes(opt: Optimizer) -> int:
+    """Bytes of the optimizer's state tensors now: ``opt.state_bytes()`` where it exists."""
+    if callable(getattr(opt, "state_bytes", None)):
+        return int(opt.state_bytes())
+    return sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+
+
+# FRUGAL's state-free rules under their governor.optimizer_flops names.
+_STATE_FREE_KINDS = {"sign": "signsgd", "sgd": "sgd", "none": "none"}
+
+
+def optimizer_step_flops(opt: Optimizer) -> int:
+    """FLOPs of one step of ``opt`` as its state stands now (call it after ``opt.step()``).
+
+    Coordinates with AdamW moments (``exp_avg``; compact for FRUGAL's subsets) are counted at
+    the AdamW rate, the others at the rate of their group's ``state_free`` rule (SGD for groups
+    that have none, e.g. a torch optimizer's parameters without moments). For low-rank FRUGAL
+    the projections' matmuls are left out, as the governor's table has no entry for them.
+    """
+    flops = 0
+    for group in opt.param_groups:
+        rest_kind = _STATE_FREE_KINDS.get(group.get("state_free"), "sgd")
+        for p in group["params"]:
+            exp_avg = opt.state[p].get("exp_avg") if p in opt.state else None
+            state_full = 0 if exp_avg is None else min(exp_avg.numel(), p.numel())
+            flops += optimizer_flops(state_full, "adamw")
+            flops += optimizer_flops(p.numel() - state_full, rest_kind)
+    return flops
+
+
+def steps_for_budget(budget: float, config: TrainConfig, vocab_size: int) -> int:
+    """The most steps of ``config``'s shape that ``budget`` FLOPs pay for, counting each step's
+    optimizer as AdamW over every parameter (the dearest case, so the schedule fits)."""
+    model_config = config.model_config(vocab_size)
+    per_step = (config.tokens_per_step() * flops_per_token(model_config, config.seq_len)
+                + optimizer_flops(model_config.num_params(), "adamw"))
+    steps = int(budget // per_step)
+    if steps < 1:
+        raise ValueError(f"a budget of {budget:.3g} FLOPs does not pay for one step "
+                         f"({per_step:.3g} FLOPs)")
+    return steps
+
+
+@dataclass
+class RunResult:
+    """What :func:`train` measured. Times are seconds, memory and state are bytes.
+
+    ``steps`` has one record per optimizer step, ``evaluations`` one per validation pass,
+    ``decisions`` the governor's history (empty without a budget) and ``optimizer_history``
+    the optimizer's own record of subspace and T changes (FRUGAL, AdaFRUGAL).
+    """
+
+    name: str
+    optimizer: str
+    config: dict[str, Any]
+    num_params: int
+    flops_per_token: int
+    stop_reason: str
+    wall_time: float
+    peak_memory: int
+    peak_memory_kind: str
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    optimizer_history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def steps_done(self) -> int:
+        return len(self.steps)
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.evaluations[-1]["val_loss"]
+
+    @property
+    def flops(self) -> float:
+        return self.steps[-1]["flops"]
+
+    @property
+    def state_bytes(self) -> int:
+        """Optimizer-state bytes after the last step."""
+        return self.steps[-1]["state_bytes"]
+
+    @property
+    def max_state_bytes(self) -> int:
+        return max(s["state_bytes"] for s in self.steps)
+
+    @property
+    def step_time(self) -> float:
+        # Medians: other work on a shared machine shows up as outliers, not as a shift.
+        return statistics.median(s["step_time"] for s in self.steps)
+
+    @property
+    def optimizer_time(self) -> float:
+        return statistics.median(s["optimizer_time"] for s in self.steps)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps_done,
+            "final_val_loss": self.final_val_loss,
+            "state_bytes": self.state_bytes,
+            "max_state_bytes": self.max_state_bytes,
+            "peak_memory": self.peak_memory,
+            "peak_memory_kind": self.peak_memory_kind,
+            "step_time": self.step_time,
+            "optimizer_time": self.optimizer_time,
+            "optimizer_share": self.optimizer_time / self.step_time,
+            "flops": self.flops,
+            "flop_budget": self.config["flop_budget"],
+            "stop_reason": self.stop_reason,
+            "wall_time": self.wall_time,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary(), **dataclasses.asdict(self)}
+
+
+class _PeakMemory:
+    """Peak memory of one run: CUDA's allocator high-water mark on a GPU, else the process's
+    resident-set high-water mark (VmHWM).
+
+    tracemalloc would miss torch's allocations, so the CPU figure is the whole process's RSS,
+    model and libraries included. Linux resets VmHWM on request (clear_refs), so each run
+    starts its own; where that fails, ``kind`` says the peak covers the process's lifetime.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.kind = "cuda_max_allocated"
+            return
+        gc.collect()
+        # Without this, heap memory freed by an earlier run stays resident and sets the floor.
+        _release_freed_memory()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.kind = "rss_peak"
+        except OSError:
+            self.kind = "rss_peak_since_process_start"
+
+    def read(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        try:
+            with open("/proc/self/status") as f:
+                return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+        except (OSError, AttributeError):
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, else kB
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model.eval()
+    total = sum(model(ids, labels=labels).loss.item() for ids, labels in batches)
+    model.train()
+    return total / len(batches)
+
+
+def train(
+    config: TrainConfig,
+    make_optimizer: OptimizerFactory,
+    *,
+    model: Optional[nn.Module] = None,
+    data: Optional[TokenDataset] = None,
+    name: str = "",
+    progress: bool = True,
+) -> RunResult:
+    """Train ``model`` (default: a fresh ``config.model`` preset seeded with ``config.seed``)
+    on ``data`` (default: ``load_corpus(config.data)``) with ``make_optimizer(model, config)``.
+
+    The run ends after ``config.steps`` steps, or at the governor's "stop" when
+    ``config.flop_budget`` is set; the governor counts the model's FLOPs
+    (:func:`~frugal_kernels.model.flops_per_token` per token) plus the optimizer's
+    (:func:`optimizer_step_flops`), sees every validation loss, and its reallocations reach
+    the optimizer's ``apply_governor``. An optimizer with ``observe_loss`` (AdaFRUGAL) is fed
+    every validation loss too. The model is trained in place.
+    """
+    from tqdm.auto import tqdm
+
+    device = torch.device(config.device)
+    if data is None:
+        data = load_corpus(config.data, max_bytes=config.max_bytes)
+    if model is None:
+        model = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
+    model.to(device).train()
+    fpt = flops_per_token(model.config, config.seq_len)
+    tokens = config.tokens_per_step()
+    val_batches = data.validation_batches(config.batch_size, config.seq_len,
+                                          num_batches=config.eval_batches, device=device)
+    batches = data.batches("train", config.batch_size, config.seq_len, seed=config.seed,
+                           device=device)
+
+    peak = _PeakMemory(device)
+    opt = make_optimizer(model, config)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_factor(step, config.steps, config.warmup_steps, config.min_lr_ratio))
+    governor = None
+    if config.flop_budget is not None:
+        governor = Governor(config.flop_budget, flops_per_token=fpt, **config.governor)
+        # Optimizers without a schedule to reallocate (AdamW) still get every decision
+        # recorded; attaching them would only log that reallocations cannot change them.
+        if callable(getattr(opt, "apply_governor", None)):
+            governor.attach(opt)
+    observe_loss = getattr(opt, "observe_loss", None)
+
+    name = name or type(opt).__name__
+    result = RunResult(name=name, optimizer=type(opt).__name__, config=dataclasses.asdict(config),
+                       num_params=sum(p.numel() for p in model.parameters()),
+                       flops_per_token=fpt, stop_reason="", wall_time=0.0, peak_memory=0,
+                       peak_memory_kind=peak.kind)
+    flops = 0.0
+    started = time.perf_counter()
+    bar = tqdm(total=config.steps, desc=name, unit="step", disable=not progress, leave=True)
+    with bar:
+        for step in range(1, config.steps + 1):
+            _synchronize(device)
+            t0 = time.perf_counter()
+            input_ids, labels = next(batches)
+            loss = model(input_ids, labels=labels).loss
+            loss.backward()
+            if config.grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            _synchronize(device)
+            t_opt = time.perf_counter()
+            opt.step()
+            _synchronize(device)
+            opt_time = time.perf_counter() - t_opt
+            opt.zero_grad(set_to_none=True)
+            lr = opt.param_groups[0]["lr"]
+            schedule.step()
+            train_loss = loss.item()
+            step_time = time.perf_counter() - t0
+
+            opt_flops = optimizer_step_flops(opt)
+            flops += tokens * fpt + opt_flops
+            record = {"step": step, "train_loss": train_loss, "lr": float(lr),
+                      "step_time": step_time, "optimizer_time": opt_time,
+                      "state_bytes": optimizer_state_bytes(opt), "flops": flops,
+                      "peak_memory": peak.read()}
+            for attr in ("rho", "update_gap"):
+                if hasattr(opt, attr):
+                    record[attr] = getattr(opt, attr)
+            result.steps.append(record)
+            if governor is not None:
+                governor.step(tokens, optimizer_flops=opt_flops)
+
+            # A budget spent mid-interval ends the run at this step, evaluated, rather than
+            # overshooting by up to eval_every steps.
+            due = (step % config.eval_every == 0 or step == config.steps
+                   or (governor is not None and governor.exhausted))
+            decision = None
+            if due:
+                val_loss = _evaluate(model, val_batches)
+                result.evaluations.append({"step": step, "val_loss": val_loss, "flops": flops,
+                                           "time": time.perf_counter() - started})
+                if observe_loss is not None:
+                    observe_loss(val_loss)
+                if governor is not None:
+                    decision = governor.observe(val_loss, step=step)
+                    if decision.action != "continue":
+                        bar.write(f"{name}: governor {decision.action} at step {step}: "
+                                  f"{decision.reason}")
+            postfix = {"loss": f"{train_loss:.3f}"}
+            if result.evaluations:
+                postfix["val"] = f"{result.evaluations[-1]['val_loss']:.3f}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+            if decision is not None and decision.action == "stop":
+                result.stop_reason = f"governor stop at step {step}: {decision.reason}"
+                break
+    result.stop_reason = result.stop_reason or f"completed {config.steps} steps"
+    result.wall_time = time.perf_counter() - started
+    result.peak_memory = peak.read()
+    if governor is not None:
+        result.decisions = governor.history
+    result.optimizer_history = [dict(h) for h in getattr(opt, "history", [])]
+    return result

@@ -1,0 +1,182 @@
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+import frugal_kernels as fk
+from frugal_kernels import demo
+from frugal_kernels.__main__ import main
+from frugal_kernels.data import load_corpus
+from frugal_kernels.governor import optimizer_flops
+from frugal_kernels.model import LlamaForCausalLM, flops_per_token
+from frugal_kernels.train import (TrainConfig, lr_factor, optimizer_state_bytes,
+                                  optimizer_step_flops, steps_for_budget, train)
+
+MAX_BYTES = 200_000
+TINY = TrainConfig(model="tiny", steps=8, batch_size=2, seq_len=16, warmup_steps=2,
+                   eval_every=4, eval_batches=1, max_bytes=MAX_BYTES)
+TINY_ARGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+             "--max-bytes", str(MAX_BYTES), "--device", "cpu", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(max_bytes=MAX_BYTES)
+
+
+def adamw(model, config):
+    return torch.optim.AdamW(model.parameters(), lr=config.lr)
+
+
+def frozen_adamw(model, config):
+    """lr 0: the validation loss is the same at every evaluation, a perfect plateau."""
+    return torch.optim.AdamW(model.parameters(), lr=0.0)
+
+
+def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
+    # A short T, so that AdaFRUGAL changes its subspace, with a smaller rho, in a short run.
+    monkeypatch.setattr(demo, "UPDATE_GAP", 4)
+    config = dataclasses.replace(TINY, steps=10, eval_every=3)
+    metrics = demo.run_demo(config, list(demo.OPTIMIZERS), out=tmp_path / "run", progress=False)
+
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (tmp_path / "run" / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(metrics["files"]) == sorted(str(tmp_path / "run" / f)
+                                              for f in ("metrics.json", "demo.png"))
+    runs = saved["runs"]
+    assert list(runs) == list(demo.OPTIMIZERS)
+    first_losses = {run["steps"][0]["train_loss"] for run in runs.values()}
+    assert len(first_losses) == 1, "every run starts from the same weights on the same batch"
+    for name in ("adamw", "frugal", "adafrugal"):
+        s = runs[name]["summary"]
+        assert s["steps"] == config.steps and len(runs[name]["steps"]) == config.steps
+        assert [e["step"] for e in runs[name]["evaluations"]] == [3, 6, 9, 10]
+        assert math.isfinite(s["final_val_loss"]) and s["final_val_loss"] < math.log(256)
+        assert s["peak_memory"] > 0 and 0 < s["optimizer_share"] < 1
+    state = {name: runs[name]["summary"]["state_bytes"] for name in runs}
+    assert state["frugal"] < state["adamw"] / 2
+    assert state["adafrugal"] < state["frugal"]
+    assert runs["adafrugal"]["steps"][-1]["rho"] < runs["frugal"]["steps"][-1]["rho"] == 0.25
+
+    governed = runs["adafrugal+governor"]
+    assert governed["summary"]["flop_budget"] == runs["adafrugal"]["summary"]["flops"]
+    assert len(governed["decisions"]) == len(governed["evaluations"])
+    assert governed["decisions"][-1]["action"] == "stop"
+
+    text = demo.table(saved)
+    for run in runs.values():
+        assert run["label"] in text
+    assert "of its budget" in text
+
+
+def test_demo_command_adds_the_budget_run(tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["demo", "--steps", "4", "--eval-every", "2", "--optimizers",
+                 "adafrugal+governor", "--out", str(out), *TINY_ARGS]) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads((out / "metrics.json").read_text())
+    assert list(saved["runs"]) == ["adafrugal", "adafrugal+governor"]
+    assert saved["config"]["steps"] == 4 and saved["config"]["eval_every"] == 2
+    assert saved["config"]["warmup_steps"] == 4 * demo.DEFAULTS.warmup_steps // demo.DEFAULTS.steps
+    assert f"results in {out}" in printed
+    assert "AdaFRUGAL+governor" in printed
+
+
+def test_resolve_rejects_unknown_names():
+    assert demo.resolve(["frugal", "adafrugal+governor", "adafrugal"]) == [
+        "frugal", "adafrugal", "adafrugal+governor"]
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        demo.resolve(["lion"])
+
+
+def test_train_stops_when_the_budget_is_spent(corpus):
+    model = LlamaForCausalLM(TINY.model_config(corpus.vocab_size))
+    per_step = (TINY.tokens_per_step() * flops_per_token(model.config, TINY.seq_len)
+                + optimizer_flops(sum(p.numel() for p in model.parameters()), "adamw"))
+    config = dataclasses.replace(TINY, steps=20, eval_every=10, flop_budget=2.5 * per_step)
+    result = train(config, adamw, model=model, data=corpus, progress=False)
+    # The budget runs out during step 3: that step is evaluated and the governor stops the run.
+    assert result.steps_done == 3
+    assert result.stop_reason.startswith("governor stop at step 3: budget exhausted")
+    assert result.flops == pytest.approx(3 * per_step)
+    assert [d["action"] for d in result.decisions] == ["stop"]
+    assert [e["step"] for e in result.evaluations] == [3]
+
+
+def test_train_stops_on_a_plateau_under_the_governor(corpus):
+    config = dataclasses.replace(TINY, steps=40, eval_every=2, flop_budget=1e15,
+                                 governor={"window": 2, "patience": 2})
+    result = train(config, frozen_adamw, data=corpus, progress=False)
+    # The window fills at the 2nd evaluation; a zero slope stays under the threshold at the
+    # 2nd and 3rd, and patience 2 stops the run there.
+    assert result.steps_done == 6
+    assert [d["action"] for d in result.decisions] == ["continue", "continue", "stop"]
+    assert "the rest of the budget would improve the loss" in result.stop_reason
+    assert result.decisions[-1]["projected_improvement"] == 0.0
+    assert result.flops < config.flop_budget
+
+
+def test_governor_reallocations_reach_adafrugal(corpus):
+    config = dataclasses.replace(TINY, steps=30, eval_every=2, lr=3e-3, flop_budget=1e15,
+                                 governor={"window": 2, "cooldown": 1, "patience": 10**6,
+                                           "reallocate_fraction": 0.9})
+
+    def make(model, cfg):
+        return fk.AdaFRUGAL(fk.param_groups(model), lr=cfg.lr, rho_steps=cfg.steps,
+                            update_gap=5)
+
+    result = train(config, make, data=corpus, progress=False)
+    reallocations = [d for d in result.decisions if d["action"] == "reallocate"]
+    assert reallocations
+    from_governor = [h for h in result.optimizer_history if h["reason"].startswith("governor")]
+    assert len(from_governor) == 2 * len(reallocations)  # T grown, rho scaled
+    assert result.steps[-1]["update_gap"] > 5
+
+
+def test_train_command_derives_steps_from_the_budget(tmp_path, capsys):
+    model_config = TINY.model_config(256)
+    budget = 5 * (TINY.tokens_per_step() * flops_per_token(model_config, TINY.seq_len)
+                  + optimizer_flops(model_config.num_params(), "adamw"))
+    assert steps_for_budget(budget, TINY, 256) == 5
+    out = tmp_path / "train"
+    assert main(["train", "--optimizer", "frugal", "--flop-budget", str(budget),
+                 "--eval-every", "2", "--out", str(out), "--save-model", *TINY_ARGS]) == 0
+    saved = json.loads((out / "metrics.json").read_text())
+    run = saved["runs"]["frugal"]
+    assert saved["config"]["steps"] == 5 and run["summary"]["steps"] <= 5
+    assert run["summary"]["flops"] <= budget
+    assert (out / "train.png").exists()
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert "lm_head.weight" in state
+    assert "governor:" in capsys.readouterr().out
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    factors = [lr_factor(s, 100, 10, 0.1) for s in range(100)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert factors[-1] == pytest.approx(0.1, abs=1e-3)
+    assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(0, 10, 0, 0.0) == pytest.approx(1.0)
+
+
+def test_optimizer_accounting_follows_the_state():
+    model = LlamaForCausalLM(TINY.model_config(256))
+    n = sum(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    assert optimizer_step_flops(opt) == optimizer_flops(n, "adamw")
+    assert optimizer_state_bytes(opt) == 2 * 4 * n + 4 * len(list(model.parameters()))
+
+    groups = fk.param_groups(model)
+    regular = sum(p.numel() for p in groups[0]["params"])
+    opt = fk.FRUGAL(groups, density=0.0)
+    opt.step()
+    assert optimizer_step_flops(opt) == (optimizer_flops(regular, "adamw")
+                                         + optimizer_flops(n - regular, "signsgd"))
+    assert optimizer_state_bytes(opt) == opt.state_bytes()
