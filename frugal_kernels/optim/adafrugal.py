@@ -80,7 +80,8 @@ class AdaFRUGAL(FRUGAL):
         self.loss_window = int(loss_window)
         self.dynamic_rho = bool(dynamic_rho)
         self.dynamic_update_gap = bool(dynamic_update_gap)
-        self._rho_scale = 1.0
+        self._rho_scale = 1.0        # in effect since the last subspace change
+        self._next_rho_scale = 1.0   # from the next one (a governor's reallocation)
         self._losses: List[float] = []
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          density=rho_start, update_gap=update_gap, projection=projection,
@@ -99,6 +100,10 @@ class AdaFRUGAL(FRUGAL):
 
     def _group_density(self, group: dict) -> float:
         return self._current_density()
+
+    def _change_subspace(self, reason: str) -> None:
+        self._rho_scale = self._next_rho_scale
+        super()._change_subspace(reason)
 
     def observe_loss(self, value: float | Tensor) -> None:
         """Feed one (validation or smoothed training) loss to the dynamic-T rule."""
@@ -123,18 +128,19 @@ class AdaFRUGAL(FRUGAL):
 
     def apply_governor(self, decision: Any) -> None:
         """Take a :class:`frugal_kernels.Governor` reallocation: grow T by its
-        ``update_gap_factor`` and scale rho by its ``rho_factor`` (from the next
-        subspace change)."""
+        ``update_gap_factor`` now and scale rho by its ``rho_factor`` from the next
+        subspace change (``opt.rho`` is the density in effect, so it changes then)."""
         suggestion = getattr(decision, "suggestion", None) or {}
         gap_factor = float(suggestion.get("update_gap_factor", 1.0))
         rho_factor = float(suggestion.get("rho_factor", 1.0))
         if gap_factor > 1.0:
             self._grow_gap(gap_factor, "governor: grow T")
         if 0.0 < rho_factor < 1.0:
-            self._rho_scale *= rho_factor
+            self._next_rho_scale *= rho_factor
             self.history.append({"step": self._steps_taken, "rho": self._current_density(),
                                  "update_gap": self._update_gap,
-                                 "reason": f"governor: rho scaled by {rho_factor:g}"})
+                                 "reason": f"governor: rho scaled by {rho_factor:g} from the "
+                                           "next subspace change"})
 
     def _grow_gap(self, factor: float, reason: str) -> None:
         new_gap = min(self.update_gap_max, math.ceil(self._update_gap * factor))
@@ -146,11 +152,13 @@ class AdaFRUGAL(FRUGAL):
         self._update_gap = new_gap
 
     def _extra_state(self) -> dict:
-        return {"rho_scale": self._rho_scale, "losses": list(self._losses)}
+        return {"rho_scale": self._rho_scale, "next_rho_scale": self._next_rho_scale,
+                "losses": list(self._losses)}
 
     def _load_extra_state(self, extra: dict) -> None:
         if "rho_scale" not in extra:
             raise ValueError("this state dict was saved by FRUGAL, not AdaFRUGAL: it has no "
                              "schedule state to resume")
         self._rho_scale = float(extra["rho_scale"])
+        self._next_rho_scale = float(extra["next_rho_scale"])
         self._losses = [float(x) for x in extra["losses"]]

@@ -144,12 +144,18 @@ def test_dynamic_rho_needs_rho_steps():
 def test_governor_reallocation_grows_t_and_lowers_rho():
     from frugal_kernels.governor import Decision
 
-    opt = _opt()
+    proj, reg = make_params()
+    params = proj + reg
+    opt = fk.AdaFRUGAL(groups(proj, reg), rho_steps=100, update_gap=10, update_gap_max=40,
+                       **HYPER)
     decision = Decision(action="reallocate", reason="test", evaluation=3, step=10, flops=1.0,
                         loss=2.0, remaining_flops=1.0,
                         suggestion={"update_gap_factor": 2.0, "rho_factor": 0.5})
+    run(opt, params, grad_sequence(params, 1))
     rho = opt.rho
     opt.apply_governor(decision)
     assert opt.update_gap == 20
-    assert opt.rho == pytest.approx(rho * 0.5)
-    assert [h["reason"].split(":")[0] for h in opt.history] == ["governor", "governor"]
+    assert opt.rho == pytest.approx(rho)  # the blocks change at the next subspace change
+    assert [h["reason"].split(":")[0] for h in opt.history[1:]] == ["governor", "governor"]
+    run(opt, params, grad_sequence(params, 20, seed=2))  # the next change is at step 21
+    assert opt.rho == pytest.approx(0.5 * max(0.05, 0.25 - 0.2 * 20 / 100))
