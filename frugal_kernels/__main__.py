@@ -34,7 +34,7 @@ def _device(name: str) -> str:
 def _train_config(args: argparse.Namespace, base):
     """``base`` with the options given on the command line."""
     options = {field: getattr(args, field) for field in (
-        "model", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "eval_every",
+        "model", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "schedule", "eval_every",
         "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes")}
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_grad_clip:
@@ -132,8 +132,12 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
     add("--lr", type=float,
         help=f"peak learning rate of every optimizer (default: {defaults.lr:g})")
     add("--warmup-steps", type=int,
-        help=f"linear warmup before the cosine decay (default: {defaults.warmup_steps}, "
+        help=f"linear warmup before the schedule (default: {defaults.warmup_steps}, "
              "scaled with --steps)")
+    add("--schedule", choices=["wsd", "cosine"],
+        help=f"lr after the warmup: wsd holds it and decays linearly over the last "
+             f"{defaults.cooldown_fraction:.0%} of the steps, cosine decays all along "
+             f"(default: {defaults.schedule})")
     add("--eval-every", type=int,
         help=f"steps between validation passes (default: {defaults.eval_every}, scaled with "
              "--steps)")

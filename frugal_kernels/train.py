@@ -50,8 +50,10 @@ __all__ = [
 class TrainConfig:
     """Settings of one training run; plain values, so that it is saved with the metrics.
 
-    The learning rate warms up linearly over ``warmup_steps`` and then follows a cosine down
-    to ``min_lr_ratio * lr`` at ``steps``. Validation runs every ``eval_every`` steps and at
+    The learning rate warms up linearly over ``warmup_steps``, then ``schedule`` takes it
+    down to ``min_lr_ratio * lr`` at ``steps``: ``"wsd"`` (warmup-stable-decay) holds it
+    and decays linearly over the last ``cooldown_fraction`` of the steps; ``"cosine"``
+    follows a cosine from the end of the warmup. Validation runs every ``eval_every`` steps and at
     the end, on the same ``eval_batches`` batches of ``batch_size`` each time.
     ``flop_budget`` puts the run under a :class:`~frugal_kernels.Governor` built with
     ``governor`` (its keyword arguments).
@@ -69,6 +71,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 120
     min_lr_ratio: float = 0.1
+    schedule: str = "wsd"
+    cooldown_fraction: float = 0.2
     grad_clip: Optional[float] = 1.0
     eval_every: int = 80
     eval_batches: int = 32
@@ -88,6 +92,11 @@ class TrainConfig:
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"warmup_steps must lie in [0, steps={self.steps}], "
                              f"got {self.warmup_steps}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got "
+                             f"{self.schedule!r}")
+        if not 0.0 < self.cooldown_fraction <= 1.0:
+            raise ValueError(f"cooldown_fraction must lie in (0, 1], got {self.cooldown_fraction}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
 
@@ -103,10 +112,20 @@ class TrainConfig:
 OptimizerFactory = Callable[[nn.Module, TrainConfig], Optimizer]
 
 
-def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the base lr for update ``step`` (0-based): linear warmup, then cosine."""
+SCHEDULES = ("wsd", "cosine")
+
+
+def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float,
+              schedule: str = "cosine", cooldown_fraction: float = 0.2) -> float:
+    """Multiplier of the base lr for update ``step`` (0-based): linear warmup, then the
+    cosine, or the stable phase and a linear cooldown over the last ``cooldown_fraction``
+    of the steps (``"wsd"``)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
+    if schedule == "wsd":
+        cooldown = max(1, round(cooldown_fraction * steps))
+        progress = min(1.0, max(0.0, (step - (steps - cooldown)) / cooldown))
+        return 1.0 - (1.0 - min_lr_ratio) * progress
     progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -315,7 +334,8 @@ def train(
     peak = _PeakMemory(device)
     opt = make_optimizer(model, config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_factor(step, config.steps, config.warmup_steps, config.min_lr_ratio))
+        opt, lambda step: lr_factor(step, config.steps, config.warmup_steps, config.min_lr_ratio,
+                                    config.schedule, config.cooldown_fraction))
     governor = None
     if config.flop_budget is not None:
         governor = Governor(config.flop_budget, flops_per_token=fpt, **config.governor)

@@ -153,6 +153,15 @@ def test_train_command_derives_steps_from_the_budget(tmp_path, capsys):
     assert "governor:" in capsys.readouterr().out
 
 
+def test_wsd_schedule_holds_then_cools_down_to_the_floor():
+    factors = [lr_factor(s, 100, 10, 0.1, "wsd", 0.2) for s in range(101)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10:80] == pytest.approx([1.0] * 70)
+    assert all(a > b for a, b in zip(factors[80:100], factors[81:101]))
+    assert factors[90] == pytest.approx(0.55)
+    assert factors[100] == pytest.approx(0.1)
+
+
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     factors = [lr_factor(s, 100, 10, 0.1) for s in range(100)]
     assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
