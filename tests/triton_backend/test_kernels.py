@@ -28,6 +28,9 @@ import torch
 from frugal_kernels import ops
 from frugal_kernels.ops.frugal_step import state_shape, subset_dim
 
+from .helpers import (assert_near_reference, assert_same_bits, cpu_backend_available,
+                      interpreted, needs_cpu)
+
 if importlib.util.find_spec("triton") is None:
     pytest.skip("the triton backend needs triton installed", allow_module_level=True)
 
@@ -37,70 +40,9 @@ SIZES = [1, 7, 4097, 0, 20_000]  # in one call: mixed sizes, an empty tensor, pa
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 
-def _import_kernels() -> dict:
-    """(Re)import the kernel modules: triton.jit decides between compiling and
-    interpreting when a module is imported. The kernels call no function of
-    triton.language itself, whose mode was fixed when triton was imported (_common)."""
-    modules = {}
-    for name in ("_common", "adamw", "sign_sgd", "frugal_step"):
-        full = f"frugal_kernels.kernels.triton.{name}"
-        loaded = sys.modules.get(full)
-        modules[name] = importlib.reload(loaded) if loaded else importlib.import_module(full)
-    return modules
-
-
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    """Interpreted kernels for this module's tests only; compiled ones again afterwards,
-    for GPU tests that may follow in the same session."""
-    importlib.import_module("triton")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("TRITON_INTERPRET", "1")
-    yield _import_kernels()
-    patch.undo()
-    _import_kernels()
-
-
-def _cpu_backend_available() -> bool:
-    return "cpu" in ops.usable_backends("cpu")
-
-
-needs_cpu = pytest.mark.skipif(not _cpu_backend_available(),
-                               reason="frugal_kernels._C is not built (the cpu backend)")
-
-
-# ---------------------------------------------------------------- comparisons
-
-def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """Bits of floats as integers that are ordered as the floats are."""
-    ints = {4: torch.int32, 2: torch.int16}[t.element_size()]
-    bits = t.contiguous().view(ints).to(torch.int64)
-    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
-    return torch.where(bits < 0, -magnitude, magnitude)
-
-
-def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (_ordered(a) - _ordered(b)).abs()
-
-
-def assert_same_bits(actual, expected, what: str) -> None:
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        differ = int((ulps(a, e) != 0).sum())
-        assert differ == 0, (f"{what}[{i}]: {differ} of {a.numel()} values differ from the cpu "
-                             f"backend (max {int(ulps(a, e).max())} ulp)")
-
-
-def assert_near_reference(actual, expected, what: str) -> None:
-    """fp32: max |a - e| <= 1e-6 * max |e|; 16-bit: at most one ulp apart."""
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        if a.numel() == 0:
-            continue
-        if a.dtype == torch.float32:
-            rel = float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
-            assert rel <= 1e-6, f"{what}[{i}]: relative difference {rel:.3g} from the reference"
-        else:
-            worst = int(ulps(a, e).max())
-            assert worst <= 1, f"{what}[{i}]: {worst} ulp from the reference"
+    yield from interpreted(("_common", "adamw", "sign_sgd", "frugal_step"))
 
 
 def clone(state):
@@ -116,7 +58,7 @@ def check_steps(state, make_grads, update, steps=3, names=("params", "exp_avgs",
     whole trajectory is compared with the cpu backend's, bit for bit.
     """
     start = clone(state)
-    cpu = clone(state) if _cpu_backend_available() else None
+    cpu = clone(state) if cpu_backend_available() else None
     for step in range(1, steps + 1):
         grads = make_grads()
         reference = clone(state)
@@ -257,7 +199,7 @@ def test_sign_trajectory():
     ours = run("triton")
     differ = float(((ours - run("torch")).abs() > 1e-5).float().mean())
     assert differ <= 0.01, f"{differ:.2%} of the coordinates left the reference trajectory"
-    if _cpu_backend_available():
+    if cpu_backend_available():
         assert_same_bits([ours], [run("cpu")], "params vs cpu")
 
 
@@ -345,7 +287,7 @@ def test_unaligned_and_non_contiguous():
         ops.sign_sgd_(params, grads, lr=1e-2, backend=backend)
         return params
 
-    expected = run("cpu" if _cpu_backend_available() else "torch")
+    expected = run("cpu" if cpu_backend_available() else "torch")
     actual = run("triton")
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)

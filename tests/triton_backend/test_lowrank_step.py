@@ -28,6 +28,9 @@ import torch
 from frugal_kernels import ops, reference
 from frugal_kernels.ops.lowrank_step import LEFT, RIGHT
 
+from .helpers import (assert_near_reference, assert_same_bits, cpu_backend_available,
+                      interpreted, needs_cpu)
+
 if importlib.util.find_spec("triton") is None:
     pytest.skip("the triton backend needs triton installed", allow_module_level=True)
 
@@ -47,56 +50,8 @@ CASES = [((1, 1), 1, RIGHT), ((65, 130), 1, LEFT), ((70, 129), 33, RIGHT),
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    """The kernel module imported under TRITON_INTERPRET=1 for this module's tests, and
-    again without it afterwards (see test_kernels.py)."""
-    importlib.import_module("triton")
-    names = ("_common", "sign_sgd", "lowrank_step")
-
-    def load():
-        for name in names:
-            full = f"frugal_kernels.kernels.triton.{name}"
-            loaded = sys.modules.get(full)
-            module = importlib.reload(loaded) if loaded else importlib.import_module(full)
-        return module
-
-    patch = pytest.MonkeyPatch()
-    patch.setenv("TRITON_INTERPRET", "1")
-    yield load()
-    patch.undo()
-    load()
-
-
-def _cpu_backend_available() -> bool:
-    return "cpu" in ops.usable_backends("cpu")
-
-
-needs_cpu = pytest.mark.skipif(not _cpu_backend_available(),
-                               reason="frugal_kernels._C is not built (the cpu backend)")
-
-
-def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """Bits of floats as integers ordered as the floats are."""
-    ints = {4: torch.int32, 2: torch.int16}[t.element_size()]
-    bits = t.contiguous().view(ints).to(torch.int64)
-    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
-    return torch.where(bits < 0, -magnitude, magnitude)
-
-
-def assert_same_bits(actual, expected, what: str) -> None:
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        differ = int((_ordered(a) != _ordered(e)).sum())
-        assert differ == 0, f"{what}[{i}]: {differ} of {a.numel()} values differ"
-
-
-def assert_near_reference(actual, expected, what: str) -> None:
-    """fp32: max |a - e| <= 1e-6 * max |e|; 16-bit: at most one ulp apart."""
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        if a.dtype == torch.float32:
-            rel = float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
-            assert rel <= 1e-6, f"{what}[{i}]: relative difference {rel:.3g}"
-        else:
-            worst = int((_ordered(a) - _ordered(e)).abs().max())
-            assert worst <= 1, f"{what}[{i}]: {worst} ulp apart"
+    for modules in interpreted(("_common", "sign_sgd", "lowrank_step")):
+        yield modules["lowrank_step"]
 
 
 def exact_case(shape, rank, side, dtype, gen):
@@ -137,7 +92,7 @@ def test_tiles_ranks_sides(dtype, state_free):
     inputs = [[t.clone() for t in column] for column in batch[1:]]
     ours = run("triton", batch, sides, 3e-2, state_free)
     assert_near_reference(ours, run("torch", batch, sides, 3e-2, state_free), "params vs torch")
-    if _cpu_backend_available():
+    if cpu_backend_available():
         assert_same_bits(ours, run("cpu", batch, sides, 3e-2, state_free), "params vs cpu")
     for name, before, after in zip(("grads", "low_updates", "low_grads", "projections"), inputs,
                                    batch[1:]):
