@@ -158,7 +158,8 @@ def sweep(*, device: torch.device, numels: Sequence[int], dtypes: Sequence[torch
             for p in fused_params:
                 p.grad = torch.randn_like(p)
             fused = torch.optim.AdamW(fused_params, lr=1e-4, weight_decay=0.01, fused=True)
-            candidates = {"copy": lambda: dst.copy_(src), "torch_adamw_fused": fused.step}
+            candidates = {"copy": lambda dst=dst, src=src: dst.copy_(src),
+                          "torch_adamw_fused": fused.step}
             cases = {}
             for name in op_names or _FACTORIES:
                 for case in _FACTORIES[name](params, dtype, rho):

@@ -54,7 +54,6 @@ def param_groups(
             if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
-            name = f"{module_name}.{param_name}" if module_name else param_name
             if _is_projected(module, module_name, param_name, p, patterns, project_embeddings,
                              project_head, project_norms):
                 projected.append(p)

@@ -8,7 +8,7 @@ import torch
 from frugal_kernels import ops, reference
 from frugal_kernels.ops.lowrank_step import LEFT, RIGHT
 
-from .helpers import DTYPES, clone, cpu_backends, ulp_diff
+from .helpers import DTYPES, cpu_backends, ulp_diff
 
 OP = "frugal::lowrank_step_"
 
