@@ -65,16 +65,6 @@ inline T* typed(void* p) { return static_cast<T*>(p); }
 template <typename T>
 inline const T* typed(const void* p) { return static_cast<const T*>(p); }
 
-// Run fn.template operator()<T>() with T the storage type of `dtype`.
-template <typename Fn>
-void dispatch_dtype(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kFloat32: fn(float{}); break;
-    case DType::kBFloat16: fn(bf16{}); break;
-    case DType::kFloat16: fn(fp16{}); break;
-  }
-}
-
 }  // namespace FK_CPU_ISA
 }  // namespace cpu
 }  // namespace frugal

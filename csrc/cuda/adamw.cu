@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(kAdamWThreads) adamw_kernel(const AdamWMeta me
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const DeviceScalars& d,
            uintptr_t stream) {
   const AdamWArgs args = adamw_args(h, d);
-  with_param_type(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     plan_adamw(t, [&](const AdamWMeta& meta, int blocks) {
       adamw_kernel<T><<<blocks, kAdamWThreads, 0, as_stream(stream)>>>(meta, args);

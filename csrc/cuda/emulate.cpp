@@ -31,7 +31,7 @@ int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
               const cuda::DeviceScalars& d) {
   const cuda::AdamWArgs args = cuda::adamw_args(h, d);
   int64_t launches = 0;
-  cuda::with_param_type(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     launches = cuda::plan_adamw(t, [&](const cuda::AdamWMeta& meta, int blocks) {
       for (int b = 0; b < blocks; ++b) {
@@ -48,7 +48,7 @@ int64_t sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_dec
                  const cuda::DeviceScalars& d) {
   const cuda::SignSgdArgs args = cuda::sign_sgd_args(lr, weight_decay, scale, d);
   int64_t launches = 0;
-  cuda::with_param_type(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     launches = cuda::plan_sign_sgd(t, [&](const cuda::SignSgdMeta& meta, int blocks) {
       for (int b = 0; b < blocks; ++b) {

@@ -217,7 +217,7 @@ int64_t plan_frugal_step(const TensorBatch& t, const SubsetBatch& sub, Launch&& 
 // integral_constant of StateFree).
 template <typename Fn>
 void with_frugal_types(DType dtype, bool index_is_int32, StateFree mode, Fn&& fn) {
-  with_param_type(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     auto with_mode = [&](auto index) {
       using S = StateFree;
       switch (mode) {

@@ -93,15 +93,5 @@ int64_t plan_launches(int64_t count, const int64_t* numel, int64_t chunk, Fill&&
   return launches;
 }
 
-// Run fn(T{}) with T the storage type of `dtype`.
-template <typename Fn>
-void with_param_type(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kFloat32: fn(float{}); break;
-    case DType::kBFloat16: fn(bf16{}); break;
-    case DType::kFloat16: fn(fp16{}); break;
-  }
-}
-
 }  // namespace cuda
 }  // namespace frugal

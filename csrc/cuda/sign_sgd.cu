@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(kSignSgdThreads) sign_sgd_kernel(const SignSgd
 void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
               const DeviceScalars& d, uintptr_t stream) {
   const SignSgdArgs args = sign_sgd_args(lr, weight_decay, scale, d);
-  with_param_type(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     plan_sign_sgd(t, [&](const SignSgdMeta& meta, int blocks) {
       sign_sgd_kernel<T><<<blocks, kSignSgdThreads, 0, as_stream(stream)>>>(meta, args);

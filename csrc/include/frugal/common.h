@@ -61,6 +61,17 @@ FK_HOST_DEVICE float to_float(fp16 x) {
   return sign ? -mag : mag;
 }
 
+// Run fn(T{}) with T the storage type of `dtype` (host code: kernel launches
+// and CPU loops pick their template instance here).
+template <typename Fn>
+void dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: fn(float{}); break;
+    case DType::kBFloat16: fn(bf16{}); break;
+    case DType::kFloat16: fn(fp16{}); break;
+  }
+}
+
 template <typename T> FK_HOST_DEVICE T from_float(float x);
 
 template <> FK_HOST_DEVICE float from_float<float>(float x) { return x; }
