@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Dict, Iterator, Sequence
 
 import pytest
@@ -74,3 +78,21 @@ def assert_near_reference(actual, expected, what: str) -> None:
         else:
             worst = int(ulps(a, e).max())
             assert worst <= 1, f"{what}[{i}]: {worst} ulp from the reference"
+
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
+
+
+def compile_for_h200(script: str) -> str:
+    """Run ``script`` in a fresh interpreter, without TRITON_INTERPRET, from the
+    repository root (a tests/ folder on the path could shadow packages), so that
+    it compiles kernels for sm_90 with Triton's bundled ptxas: no GPU needed.
+    Returns its stdout; skips without Triton's NVIDIA backend."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
