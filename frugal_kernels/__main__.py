@@ -136,7 +136,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
              "scaled with --steps)")
     add("--schedule", choices=["wsd", "cosine"],
         help=f"lr after the warmup: wsd holds it and decays linearly over the last "
-             f"{defaults.cooldown_fraction:.0%} of the steps, cosine decays all along "
+             f"{defaults.cooldown_fraction * 100:.0f}%% of the steps, cosine decays all along "
              f"(default: {defaults.schedule})")
     add("--eval-every", type=int,
         help=f"steps between validation passes (default: {defaults.eval_every}, scaled with "

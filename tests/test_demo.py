@@ -189,3 +189,11 @@ def test_optimizer_accounting_follows_the_state():
     assert optimizer_step_flops(opt) == (optimizer_flops(regular, "adamw")
                                          + optimizer_flops(n - regular, "signsgd"))
     assert optimizer_state_bytes(opt) == opt.state_bytes()
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["train"], ["bench"]])
+def test_help_of_every_command(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: frugal-kernels" in capsys.readouterr().out

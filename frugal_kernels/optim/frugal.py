@@ -207,7 +207,9 @@ class FRUGAL(Optimizer):
             self._plan_key = key
         for gi, group in enumerate(self.param_groups):
             if not isinstance(group["lr"], Tensor):
-                self._lr_tensors[gi].fill_(group["lr"])
+                # A group whose tensors have no gradients yet has no bucket, so
+                # its lr tensor may not exist yet.
+                self._group_lr(gi, group).fill_(group["lr"])
         steps = [self.state[p]["step"] for b in self._plan if b.rule != "state_free"
                  for p in b.params]
         if steps:

@@ -264,3 +264,21 @@ def test_compiled_step_matches_eager_and_lr_changes_do_not_recompile(projection,
             assert counters["stats"]["unique_graphs"] == 1
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("projection", ALL_PROJECTIONS)
+@pytest.mark.parametrize("first_has_grad", [True, False])
+def test_group_without_gradients_is_left_alone(projection, first_has_grad):
+    """A group none of whose tensors has a gradient (unused, or added before its
+    first backward) is skipped; the groups with gradients step as usual."""
+    a = torch.nn.Parameter(torch.randn(6, 5))
+    b = torch.nn.Parameter(torch.randn(5))
+    opt = fk.FRUGAL([{"params": [a]}, {"params": [b], "projected": False}], density=0.5,
+                    projection=projection, **HYPER)
+    stepped, idle = (a, b) if first_has_grad else (b, a)
+    before_stepped, before_idle = stepped.detach().clone(), idle.detach().clone()
+    for _ in range(3):
+        stepped.grad = torch.randn_like(stepped)
+        opt.step()
+    assert not torch.equal(stepped, before_stepped)
+    assert torch.equal(idle, before_idle)
