@@ -15,11 +15,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from frugal_kernels._layout import back_project
+
 __all__ = ["adamw_", "sign_sgd_", "frugal_step_", "lowrank_step_"]
 
-# Sides of a low-rank projection (frugal_kernels.optim.subspace): RIGHT maps
-# G [m, n] to G @ P^T with P [r, n]; LEFT maps it to P^T @ G with P [m, r].
-RIGHT, LEFT = 0, 1
 
 
 @torch.no_grad()
@@ -160,10 +159,8 @@ def lowrank_step_(
         m = p.shape[0]
         p32, g32 = p.float().reshape(m, -1), g.float().reshape(m, -1)
 
-        def up(x: Tensor) -> Tensor:
-            return x @ proj if side == RIGHT else proj @ x
-
-        residual = g32 - up(lg)
+        residual = g32 - back_project(lg, proj, side)
         new_p = _state_free_update(p32, residual, lr=lr, weight_decay=weight_decay,
-                                   scale=state_free_scale, state_free=state_free) + up(u)
+                                   scale=state_free_scale, state_free=state_free)
+        new_p = new_p + back_project(u, proj, side)
         p.copy_(new_p.reshape(p.shape))

@@ -14,7 +14,8 @@ import torch
 
 from frugal_kernels import ops
 from frugal_kernels.bench.timing import measure
-from frugal_kernels.ops.frugal_step import state_shape
+from frugal_kernels._layout import (lowrank_dim, lowrank_side, project, subset_dim,
+                                    subset_state_shape)
 from frugal_kernels.optim import subspace
 
 TENSOR_NUMEL = 1 << 20  # the param set is cut into tensors of this size, like an LLM's matrices
@@ -94,10 +95,10 @@ def _frugal_step_cases(params, dtype, rho):
     for kind in ("rows", "columns", "flat"):
         indices, m, v = [], [], []
         for p in params:
-            dim = {"rows": p.shape[0], "columns": p.shape[-1], "flat": p.numel()}[kind]
+            dim = subset_dim(p, kind)
             idx = subspace.choose_subset(dim, subspace.subset_size(rho, dim), gen, p.device)
             indices.append(idx)
-            shape = state_shape(p, kind, idx.numel())
+            shape = subset_state_shape(p, kind, idx.numel())
             m.append(torch.zeros(shape, device=p.device))
             v.append(torch.zeros(shape, device=p.device))
         full = sum(x.numel() for x in m)
@@ -118,11 +119,10 @@ def _lowrank_step_cases(params, dtype, rho):
     gen = torch.Generator().manual_seed(2)
     projs, lows, ups, sides = [], [], [], []
     for p, g in zip(params, grads):
-        rank = max(1, subspace.subset_size(rho, subspace.lowrank_dim(p.shape)))
+        rank = max(1, subspace.subset_size(rho, lowrank_dim(p.shape)))
         proj = subspace.make_projection("random", g, rank, gen)
-        side = subspace.lowrank_side(p.shape)
-        g2 = g.float().reshape(p.shape[0], -1)
-        lows.append(g2 @ proj.t() if side == subspace.RIGHT else proj.t() @ g2)
+        side = lowrank_side(p.shape)
+        lows.append(project(g, proj, side))
         ups.append(torch.zeros_like(lows[-1]))
         projs.append(proj)
         sides.append(side)

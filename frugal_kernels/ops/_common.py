@@ -14,9 +14,8 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The codes frugal_kernels._C uses for parameter dtypes (csrc/include/frugal/common.h).
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+from frugal_kernels._layout import PARAM_DTYPES
+
 
 Scalar = Union[float, int, Tensor]
 

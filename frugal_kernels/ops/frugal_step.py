@@ -9,57 +9,27 @@ rho < 1 moves fewer bytes than AdamW.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
+from frugal_kernels._layout import (DTYPE_CODES, STATE_FREE_CODES, STATE_FREE_RULES,
+                                    SUBSET_KIND_CODES, SUBSET_KINDS, matrix_view, subset_dim,
+                                    subset_state_shape)
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (DTYPE_CODES, Scalar, addresses, as_scalar_tensor,
-                                        check_batch, check_finite, check_scalars, host_value)
+from frugal_kernels.ops._common import (Scalar, addresses, as_scalar_tensor, check_batch,
+                                        check_finite, check_scalars, host_value)
 
 OP = "frugal::frugal_step_"
-KINDS = ("rows", "columns", "flat")
-STATE_FREE_RULES = ("sign", "sgd", "none")
-# Codes of csrc/include/frugal: SubsetKind and StateFree.
-_SUBSET_KIND_CODES = {"rows": 0, "flat": 0, "columns": 1}
-_STATE_FREE_CODES = {"sign": 0, "sgd": 1, "none": 2}
-
-
-def subset_dim(p: Tensor, kind: str) -> int:
-    """How many rows, columns or coordinates of ``p`` a subset of ``kind`` picks from."""
-    if kind == "rows":
-        return p.shape[0]
-    if kind == "columns":
-        return p.shape[-1]
-    return p.numel()
-
-
-def state_shape(p: Tensor, kind: str, k: int) -> Tuple[int, ...]:
-    """Shape of the compact moments of a subset of ``k`` rows, columns or coordinates."""
-    if kind == "rows":
-        return (k, *p.shape[1:])
-    if kind == "columns":
-        return (*p.shape[:-1], k)
-    return (k,)
-
-
-def matrix_view(p: Tensor, kind: str) -> Tuple[int, int, int]:
-    """(kind code, R, C): the [R, C] row-major matrix the kernels see."""
-    n = p.numel()
-    if kind == "rows":
-        return 0, p.shape[0], n // p.shape[0]
-    if kind == "columns":
-        return 1, n // p.shape[-1], p.shape[-1]
-    return 0, n, 1
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, beta1, beta2, eps, weight_decay,
            state_free, state_free_scale) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"{OP}: kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    if kind not in SUBSET_KINDS:
+        raise ValueError(f"{OP}: kind must be one of {', '.join(SUBSET_KINDS)}; got {kind!r}")
     if state_free not in STATE_FREE_RULES:
         raise ValueError(f"{OP}: state_free must be one of {', '.join(STATE_FREE_RULES)}; "
                          f"got {state_free!r}")
@@ -88,7 +58,7 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, beta1, beta2, ep
                 raise ValueError(f"{OP}: indices[{i}] has {idx.numel()} entries but params[{i}] "
                                  f"has only {subset_dim(p, kind)} {kind}")
     check_batch(OP, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-                state_shape=lambda i, p: state_shape(p, kind, indices[i].numel()))
+                state_shape=lambda i, p: subset_state_shape(p, kind, indices[i].numel()))
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"{OP}: {name} must be in [0, 1), got {beta}")
@@ -156,7 +126,7 @@ def _kernel_args(params, grads, exp_avgs, exp_avg_sqs, indices, kind) -> list:
     return [
         addresses(params), addresses(grads), addresses(exp_avgs), addresses(exp_avg_sqs),
         [p.numel() for p in params], addresses(indices), [r for _, r, _ in views],
-        [c for _, _, c in views], [idx.numel() for idx in indices], _SUBSET_KIND_CODES[kind],
+        [c for _, _, c in views], [idx.numel() for idx in indices], SUBSET_KIND_CODES[kind],
         indices[0].dtype == torch.int32, DTYPE_CODES[params[0].dtype],
     ]
 
@@ -166,7 +136,7 @@ def _cpu(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, 
     extension().frugal_step_cpu(
         *_kernel_args(params, grads, exp_avgs, exp_avg_sqs, indices, kind), host_value(lr),
         beta1, beta2, eps, weight_decay, host_value(step), state_free_scale,
-        _STATE_FREE_CODES[state_free], torch.get_num_threads())
+        STATE_FREE_CODES[state_free], torch.get_num_threads())
 
 
 def _cuda(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
@@ -178,7 +148,7 @@ def _cuda(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2,
         step_value, step_ptr, _step_alive = device_scalar(step, params[0].device)
         extension().frugal_step_cuda(
             *_kernel_args(params, grads, exp_avgs, exp_avg_sqs, indices, kind), lr_value, beta1,
-            beta2, eps, weight_decay, step_value, state_free_scale, _STATE_FREE_CODES[state_free],
+            beta2, eps, weight_decay, step_value, state_free_scale, STATE_FREE_CODES[state_free],
             lr_ptr, step_ptr, stream)
 
 

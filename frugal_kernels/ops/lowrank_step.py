@@ -16,7 +16,6 @@ pass; ``torch`` is the reference. There is no ``cuda`` backend: on GPUs
 
 from __future__ import annotations
 
-import math
 from typing import List, Sequence
 
 import torch
@@ -24,19 +23,21 @@ from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
+from frugal_kernels._layout import (DTYPE_CODES, LEFT, RIGHT, SIDES, STATE_FREE_CODES,
+                                    STATE_FREE_RULES, back_project,
+                                    projection_rank, projection_shapes)
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (DTYPE_CODES, Scalar, as_scalar_tensor, check_batch,
+from frugal_kernels.ops._common import (Scalar, as_scalar_tensor, check_batch,
                                         check_finite, check_scalars, host_value)
 
 OP = "frugal::lowrank_step_"
-RIGHT, LEFT = reference.RIGHT, reference.LEFT
-_STATE_FREE_CODES = {"sign": 0, "sgd": 1, "none": 2}
 
 
 def _check(params, grads, low_updates, low_grads, projections, sides, weight_decay, state_free,
            state_free_scale) -> None:
-    if state_free not in _STATE_FREE_CODES:
-        raise ValueError(f"{OP}: state_free must be one of sign, sgd, none; got {state_free!r}")
+    if state_free not in STATE_FREE_RULES:
+        raise ValueError(f"{OP}: state_free must be one of {', '.join(STATE_FREE_RULES)}; "
+                         f"got {state_free!r}")
     n = len(params)
     for name, lst in (("low_updates", low_updates), ("low_grads", low_grads),
                       ("projections", projections), ("sides", sides)):
@@ -48,14 +49,11 @@ def _check(params, grads, low_updates, low_grads, projections, sides, weight_dec
         if p.dim() < 2:
             raise ValueError(f"{OP}: params[{i}] has {p.dim()} dims; low-rank projections "
                              "need a matrix (tensors of more dims are seen as [shape[0], rest])")
-        if side not in (RIGHT, LEFT):
+        if side not in SIDES:
             raise ValueError(f"{OP}: sides[{i}] must be {RIGHT} (right) or {LEFT} (left)")
-        m, n_ = p.shape[0], math.prod(p.shape[1:])
         if proj.dim() != 2:
             raise ValueError(f"{OP}: projections[{i}] must be a matrix")
-        r = proj.shape[0] if side == RIGHT else proj.shape[1]
-        want_proj = (r, n_) if side == RIGHT else (m, r)
-        want_low = (m, r) if side == RIGHT else (r, n_)
+        want_proj, want_low = projection_shapes(p.shape, projection_rank(proj, side), side)
         for name, t, want in (("projections", proj, want_proj), ("low_updates", u, want_low),
                               ("low_grads", lg, want_low)):
             if t.dtype != torch.float32:
@@ -95,8 +93,7 @@ def _(params, grads, low_updates, low_grads, projections, sides, lr, weight_deca
 
 def _back_projections(u: Tensor, lg: Tensor, proj: Tensor, side: int) -> Tensor:
     """[up(u), up(lg)] as one [2, m, n] tensor from one batched GEMM."""
-    both = torch.stack((u, lg))
-    return torch.matmul(both, proj) if side == RIGHT else torch.matmul(proj, both)
+    return back_project(torch.stack((u, lg)), proj, side)
 
 
 def _cpu(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay, state_free,
@@ -108,7 +105,7 @@ def _cpu(params, grads, low_updates, low_grads, projections, sides, lr, weight_d
         ext.lowrank_step_cpu([p.data_ptr()], [g.data_ptr()], [up[0].data_ptr()],
                              [up[1].data_ptr()], [p.numel()], DTYPE_CODES[p.dtype],
                              host_value(lr), weight_decay, state_free_scale,
-                             _STATE_FREE_CODES[state_free], torch.get_num_threads())
+                             STATE_FREE_CODES[state_free], torch.get_num_threads())
 
 
 def _triton(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,

@@ -9,8 +9,9 @@ from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
+from frugal_kernels._layout import DTYPE_CODES
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (DTYPE_CODES, Scalar, addresses, as_scalar_tensor,
+from frugal_kernels.ops._common import (Scalar, addresses, as_scalar_tensor,
                                         check_batch, check_finite, check_scalars, host_value,
                                         numels)
 

@@ -13,15 +13,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from frugal_kernels import ops
-from frugal_kernels.ops.frugal_step import state_shape as subset_state_shape
-from frugal_kernels.ops.frugal_step import subset_dim
+from frugal_kernels import _layout
+from frugal_kernels._layout import STATE_FREE_RULES, subset_dim, subset_state_shape
 from frugal_kernels.optim import subspace
 from frugal_kernels.optim.subspace import (BLOCK_ORDERS, COORDINATE_PROJECTIONS,
                                            LOWRANK_PROJECTIONS, PROJECTIONS)
 
 __all__ = ["FRUGAL"]
 
-STATE_FREE_RULES = ("sign", "sgd", "none")
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "indices", "projection")
 
 
@@ -310,9 +309,9 @@ class FRUGAL(Optimizer):
             # Chosen from the gradient: wait for one (see _build_plan).
             st.clear()
             return
-        rank = subspace.subset_size(density, subspace.lowrank_dim(p.shape))
+        rank = subspace.subset_size(density, _layout.lowrank_dim(p.shape))
         proj = subspace.make_projection(kind, p.grad, rank, self._generator)
-        shape = subspace.lowrank_state_shape(p.shape, rank)
+        shape = _layout.lowrank_state_shape(p.shape, rank)
         keep = (not group["reset_state"] and "exp_avg" in st
                 and tuple(st["exp_avg"].shape) == shape)
         if not keep:
@@ -345,10 +344,10 @@ class FRUGAL(Optimizer):
                 else:
                     if "projection" not in st:
                         self._choose_lowrank(p, group, projection, self._group_density(group))
-                    rank = st["projection"].shape[0 if subspace.lowrank_side(p.shape) ==
-                                                   subspace.RIGHT else 1]
+                    rank = _layout.projection_rank(st["projection"],
+                                                   _layout.lowrank_side(p.shape))
                     rule, kind = "lowrank", projection
-                    full = rank == subspace.lowrank_dim(p.shape)
+                    full = rank == _layout.lowrank_dim(p.shape)
                 step = float(st["step"]) if "step" in st else 0.0
                 bkey = (rule, gi, kind, full, p.dtype, p.device, step)
                 bucket = buckets.get(bkey)
@@ -410,11 +409,8 @@ class FRUGAL(Optimizer):
     def _lowrank(self, params, grads, states, m, v, step, group, lr, full_rank) -> None:
         beta1, beta2 = group["betas"]
         projs = [st["projection"] for st in states]
-        sides = [subspace.lowrank_side(p.shape) for p in params]
-        low_grads = []
-        for g, proj, side in zip(grads, projs, sides):
-            g2 = g.reshape(g.shape[0], -1).float()
-            low_grads.append(g2 @ proj.t() if side == subspace.RIGHT else proj.t() @ g2)
+        sides = [_layout.lowrank_side(p.shape) for p in params]
+        low_grads = [_layout.project(g, proj, side) for g, proj, side in zip(grads, projs, sides)]
         # AdamW on a zero "parameter" without decay leaves exactly the update in it.
         low_updates = [torch.zeros_like(lg) for lg in low_grads]
         ops.adamw_(low_updates, low_grads, m, v, lr=lr, beta1=beta1, beta2=beta2,
@@ -577,8 +573,8 @@ def _check_saved_state(saved: dict, p: Tensor, pid: Any) -> None:
     elif "projection" in saved:
         proj = saved["projection"]
         fits = p.dim() >= 2 and proj.dim() == 2 and tuple(m.shape) in (
-            subspace.lowrank_state_shape(p.shape, proj.shape[0]),
-            subspace.lowrank_state_shape(p.shape, proj.shape[1]))
+            _layout.lowrank_state_shape(p.shape, proj.shape[0]),
+            _layout.lowrank_state_shape(p.shape, proj.shape[1]))
     else:
         fits = tuple(m.shape) == shape
     if not fits:

@@ -7,22 +7,17 @@ same on every rank and device and is restored exactly from a checkpoint.
 
 from __future__ import annotations
 
-import math
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import torch
 from torch import Tensor
+
+from frugal_kernels._layout import RIGHT, lowrank_side, matrix_shape
 
 PROJECTIONS = ("blocks", "columns", "rows", "randk", "random", "svd")
 COORDINATE_PROJECTIONS = {"rows": "rows", "columns": "columns", "randk": "flat"}
 LOWRANK_PROJECTIONS = ("random", "svd")
 BLOCK_ORDERS = ("random", "ascending", "descending", "mirror")
-
-# Which side of a matrix a low-rank projection acts on (csrc-free: used by
-# frugal_kernels.ops.lowrank_step too). RIGHT: low = G @ P^T with P [r, n];
-# LEFT: low = P^T @ G with P [m, r].
-RIGHT, LEFT = 0, 1
-
 
 def subset_size(density: float, dim: int) -> int:
     """How many of ``dim`` rows, columns, coordinates or directions a density keeps.
@@ -80,27 +75,6 @@ def choose_subset(dim: int, k: int, generator: torch.Generator, device: torch.de
     dtype = torch.int32 if dim < 2**31 else torch.int64
     ids = torch.randperm(dim, generator=generator)[:k].sort().values
     return ids.to(dtype=dtype, device=device)
-
-
-def lowrank_side(shape: Sequence[int]) -> int:
-    """GaLore's rule: project the smaller side (RIGHT when rows >= columns)."""
-    rows, cols = shape[0], math.prod(shape[1:])
-    return RIGHT if rows >= cols else LEFT
-
-
-def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
-    """The [m, n] matrix a tensor of >= 2 dims is projected as."""
-    return shape[0], math.prod(shape[1:])
-
-
-def lowrank_dim(shape: Sequence[int]) -> int:
-    m, n = matrix_shape(shape)
-    return n if lowrank_side(shape) == RIGHT else m
-
-
-def lowrank_state_shape(shape: Sequence[int], rank: int) -> Tuple[int, int]:
-    m, n = matrix_shape(shape)
-    return (m, rank) if lowrank_side(shape) == RIGHT else (rank, n)
 
 
 def make_projection(kind: str, grad: Tensor, rank: int, generator: torch.Generator) -> Tensor:

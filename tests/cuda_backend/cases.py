@@ -4,7 +4,7 @@ constants (csrc/cuda/*.cuh)."""
 
 import torch
 
-from frugal_kernels.ops.frugal_step import state_shape
+from frugal_kernels._layout import subset_state_shape as state_shape
 
 # Elements per block of adamw_ / sign_sgd_, positions per tile of frugal_step_
 # (8 tiles a block, so CHUNK positions a block too), and the launch limits.

@@ -20,8 +20,7 @@ import torch
 
 import frugal_kernels
 from frugal_kernels._extension import extension
-from frugal_kernels.ops._common import DTYPE_CODES
-from frugal_kernels.ops.frugal_step import matrix_view
+from frugal_kernels._layout import DTYPE_CODES, matrix_view
 
 from .cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, MAX_BLOCKS,
                         MAX_TENSORS, SIZES, STATE_FREE_RULES, STEP, TILE, WD, adamw_data,

@@ -7,7 +7,8 @@ import torch
 
 from frugal_kernels import ops, reference
 from frugal_kernels._extension import extension
-from frugal_kernels.ops.frugal_step import state_shape, subset_dim
+from frugal_kernels._layout import subset_dim
+from frugal_kernels._layout import subset_state_shape as state_shape
 
 from .helpers import DTYPES, assert_params_close, clone, cpu_backends, make_batch
 

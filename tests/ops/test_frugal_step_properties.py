@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from frugal_kernels import ops, reference
 from frugal_kernels._extension import extension
-from frugal_kernels.ops.frugal_step import matrix_view, state_shape, subset_dim
+from frugal_kernels._layout import matrix_view, subset_dim
+from frugal_kernels._layout import subset_state_shape as state_shape
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="compiled extension not built")
 

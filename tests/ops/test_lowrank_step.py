@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from frugal_kernels import ops, reference
-from frugal_kernels.ops.lowrank_step import LEFT, RIGHT
+from frugal_kernels._layout import LEFT, RIGHT
 
 from .helpers import DTYPES, cpu_backends, ulp_diff
 

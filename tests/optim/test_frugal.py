@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import frugal_kernels as fk
-from frugal_kernels.optim import subspace
+from frugal_kernels._layout import RIGHT, lowrank_side
 
 from ..ops.helpers import cpu_backends
 from .helpers import (HYPER, LoopReference, changed_at, grad_sequence, groups, make_params,
@@ -48,7 +48,7 @@ def test_full_rank_lowrank_is_adamw_in_the_rotated_basis(projection):
     run(opt, proj, seq)
     for i, p in enumerate(proj):
         P = opt.state[p]["projection"]
-        right = subspace.lowrank_side(p.shape) == subspace.RIGHT
+        right = lowrank_side(p.shape) == RIGHT
         rotate = (lambda x: x @ P.t()) if right else (lambda x: P.t() @ x)
         rotated = torch.nn.Parameter(rotate(init[i]))
         adamw = torch.optim.AdamW([rotated], foreach=False, **HYPER)
@@ -119,7 +119,7 @@ def _reference_run(projection, reset_state, state_free="sign", steps=13, gap=4, 
                 ref.masked(i, grads[i], mask)
             else:
                 P = st["projection"]
-                right = subspace.lowrank_side(p.shape) == subspace.RIGHT
+                right = lowrank_side(p.shape) == RIGHT
                 if changed and (reset_state or i not in ref.m):
                     ref.reset(i, tuple(st["exp_avg"].shape))
                 full = P.shape[0] == P.shape[1]

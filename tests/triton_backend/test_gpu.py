@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from frugal_kernels import ops
-from frugal_kernels.ops.frugal_step import state_shape, subset_dim
+from frugal_kernels._layout import subset_dim
+from frugal_kernels._layout import subset_state_shape as state_shape
 
 pytestmark = [
     pytest.mark.gpu,

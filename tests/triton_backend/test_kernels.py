@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from frugal_kernels import ops
-from frugal_kernels.ops.frugal_step import state_shape, subset_dim
+from frugal_kernels._layout import subset_dim
+from frugal_kernels._layout import subset_state_shape as state_shape
 
 from .helpers import (assert_near_reference, assert_same_bits, compile_for_h200,
                       cpu_backend_available, interpreted, needs_cpu)

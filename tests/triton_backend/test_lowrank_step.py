@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from frugal_kernels import ops, reference
-from frugal_kernels.ops.lowrank_step import LEFT, RIGHT
+from frugal_kernels._layout import LEFT, RIGHT
 
 from .helpers import (assert_near_reference, assert_same_bits, compile_for_h200,
                       cpu_backend_available, interpreted, needs_cpu)

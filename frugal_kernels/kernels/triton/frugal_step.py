@@ -44,7 +44,7 @@ from frugal_kernels.kernels.triton._common import (
     start, store_tile, tail_f64, tail_scalar, to_param)
 from frugal_kernels.kernels.triton.adamw import adamw_update
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
-from frugal_kernels.ops.frugal_step import matrix_view
+from frugal_kernels._layout import STATE_FREE_CODES, matrix_view
 
 # Not tuned on hardware yet. Smaller than the elementwise kernels' 4096: the
 # histogram works over BLOCK bins in shared memory and the members' positions
@@ -52,7 +52,6 @@ from frugal_kernels.ops.frugal_step import matrix_view
 BLOCK = 2048
 NUM_WARPS = 8
 _RECORD = tl.constexpr(8)  # table fields per tensor: p, g, m, v, indices, numel, C, k
-_STATE_FREE_CODES = {"sign": 0, "sgd": 1, "none": 2}  # update_rules.h StateFree
 
 
 @triton.jit
@@ -226,6 +225,6 @@ def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
     _frugal_step_kernel[(grid,)](
         table, len(items), *scalars, P_DTYPE=TL_DTYPES[params[0].dtype],
         INDEX_DTYPE=TL_INDEX_DTYPES[indices[items[0]].dtype], COLUMNS=kind == "columns",
-        STATE_FREE=_STATE_FREE_CODES[state_free], SCALARS_IN_KERNEL=bool(scalars_in_kernel),
+        STATE_FREE=STATE_FREE_CODES[state_free], SCALARS_IN_KERNEL=bool(scalars_in_kernel),
         ALIGNED=aligned([t for i in items for t in (params[i], grads[i])]), BLOCK=BLOCK,
         num_warps=NUM_WARPS, enable_fp_fusion=False)

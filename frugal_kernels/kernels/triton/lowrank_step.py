@@ -36,7 +36,7 @@ from frugal_kernels.kernels.triton._common import (
     device_scalars, f64_bits, from_param, launch_table, sign_scalars, start, tail_f64,
     tail_scalar, to_param)
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
-from frugal_kernels.reference import RIGHT
+from frugal_kernels._layout import RIGHT, STATE_FREE_CODES, projection_rank
 
 # Not tuned on hardware yet. 64 x 64 output tiles, rank steps of 32 and 4 warps:
 # a usual starting point for an fp32 Triton GEMM on H100/H200. Two 64 x 64 fp32
@@ -52,8 +52,7 @@ NUM_WARPS = 4
 # in L2.
 GROUP_M = 8
 
-_RIGHT = tl.constexpr(RIGHT)  # the other side is reference.LEFT
-_STATE_FREE_CODES = {"sign": 0, "sgd": 1, "none": 2}  # update_rules.h StateFree
+_RIGHT = tl.constexpr(RIGHT)  # the other side is _layout.LEFT
 
 
 @triton.jit
@@ -165,10 +164,10 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
         m = p.shape[0]
         n = p.numel() // m
         side = int(sides[i])
-        r = projections[i].shape[0] if side == RIGHT else projections[i].shape[1]
+        r = projection_rank(projections[i], side)
         grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
         _lowrank_step_kernel[grid](
             p, grads[i], low_updates[i], low_grads[i], projections[i], tail, m, n, r, *scalars,
-            SIDE=side, STATE_FREE=_STATE_FREE_CODES[state_free],
+            SIDE=side, STATE_FREE=STATE_FREE_CODES[state_free],
             SCALARS_IN_KERNEL=bool(scalars_in_kernel), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_warps=NUM_WARPS, enable_fp_fusion=False)

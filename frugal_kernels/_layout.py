@@ -1,0 +1,126 @@
+"""Codes and shapes every layer shares: the one home of each.
+
+The kernels (C++, CUDA, Triton), the ops, the reference and the optimizers
+all speak of the same things: which storage type a parameter has, which rule
+moves the state-free coordinates, whether a subset picks rows, columns or flat
+coordinates, which side of a matrix a low-rank projection acts on, and the
+shapes that follow. They are defined here once. This module sits below
+``ops`` and ``kernels`` and imports neither (tests/test_layers.py checks it).
+
+Glossary (docs/glossary.md has the longer one): *density* is the paper's rho,
+the fraction of coordinates kept state-full; *update_gap* is T, the steps
+between subspace changes; a *state-free rule* is what the other coordinates
+get (``sign``, ``sgd``, ``none``); a *subset kind* is what a coordinate subset
+picks from a tensor (``rows``, ``columns``, ``flat``: the ``randk`` projection
+uses ``flat``); a *side* is where a low-rank projection multiplies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+# Parameter storage types and their codes in csrc/include/frugal/common.h (DType).
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# The rules of the state-free coordinates and their codes in
+# csrc/include/frugal/update_rules.h (StateFree).
+STATE_FREE_RULES = ("sign", "sgd", "none")
+STATE_FREE_CODES = {"sign": 0, "sgd": 1, "none": 2}
+
+# What a coordinate subset picks from a tensor, and the codes of
+# csrc/include/frugal/frugal_tile.h (SubsetKind): a flat subset is a subset of
+# the rows of the tensor seen as an [numel, 1] column.
+SUBSET_KINDS = ("rows", "columns", "flat")
+SUBSET_KIND_CODES = {"rows": 0, "flat": 0, "columns": 1}
+
+# Which side of a matrix G [m, n] a low-rank projection acts on. RIGHT:
+# low = G @ P^T with P [r, n] (orthonormal rows); LEFT: low = P^T @ G with
+# P [m, r] (orthonormal columns).
+RIGHT, LEFT = 0, 1
+SIDES = (RIGHT, LEFT)
+
+
+# ---------------------------------------------------------------- subsets
+
+def subset_dim(p: Tensor, subset_kind: str) -> int:
+    """How many rows, columns or coordinates of ``p`` a subset of ``subset_kind`` picks from."""
+    if subset_kind == "rows":
+        return p.shape[0]
+    if subset_kind == "columns":
+        return p.shape[-1]
+    return p.numel()
+
+
+def subset_state_shape(p: Tensor, subset_kind: str, k: int) -> Tuple[int, ...]:
+    """Shape of the compact moments of a subset of ``k`` rows, columns or coordinates."""
+    if subset_kind == "rows":
+        return (k, *p.shape[1:])
+    if subset_kind == "columns":
+        return (*p.shape[:-1], k)
+    return (k,)
+
+
+def matrix_view(p: Tensor, subset_kind: str) -> Tuple[int, int, int]:
+    """(subset kind code, R, C): the [R, C] row-major matrix the kernels walk."""
+    n = p.numel()
+    if subset_kind == "rows":
+        return SUBSET_KIND_CODES["rows"], p.shape[0], n // p.shape[0]
+    if subset_kind == "columns":
+        return SUBSET_KIND_CODES["columns"], n // p.shape[-1], p.shape[-1]
+    return SUBSET_KIND_CODES["flat"], n, 1
+
+
+# ---------------------------------------------------------------- low rank
+
+def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
+    """The [m, n] matrix a tensor of >= 2 dims is projected as: [shape[0], rest]."""
+    return shape[0], math.prod(shape[1:])
+
+
+def lowrank_side(shape: Sequence[int]) -> int:
+    """GaLore's rule: project the smaller side (RIGHT when rows >= columns)."""
+    rows, cols = matrix_shape(shape)
+    return RIGHT if rows >= cols else LEFT
+
+
+def lowrank_dim(shape: Sequence[int]) -> int:
+    """The length of the projected side: the largest rank a projection can have."""
+    m, n = matrix_shape(shape)
+    return n if lowrank_side(shape) == RIGHT else m
+
+
+def lowrank_state_shape(shape: Sequence[int], rank: int) -> Tuple[int, int]:
+    """Shape of the moments (and of the projected gradient) at ``rank``."""
+    m, n = matrix_shape(shape)
+    return (m, rank) if lowrank_side(shape) == RIGHT else (rank, n)
+
+
+def projection_shapes(shape: Sequence[int], rank: int, side: int
+                      ) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """(projection shape, low-rank tensor shape) of a tensor of ``shape`` at ``rank``."""
+    m, n = matrix_shape(shape)
+    if side == RIGHT:
+        return (rank, n), (m, rank)
+    return (m, rank), (rank, n)
+
+
+def projection_rank(projection: Tensor, side: int) -> int:
+    return projection.shape[0] if side == RIGHT else projection.shape[1]
+
+
+def project(grad: Tensor, projection: Tensor, side: int) -> Tensor:
+    """The projected gradient ``P^T g`` in fp32 (``g @ P^T`` or ``P^T @ g`` by side)."""
+    g2 = grad.reshape(grad.shape[0], -1).float()
+    return g2 @ projection.t() if side == RIGHT else projection.t() @ g2
+
+
+def back_project(low: Tensor, projection: Tensor, side: int) -> Tensor:
+    """A low-rank tensor back in the [m, n] space: ``low @ P`` or ``P @ low`` by side.
+
+    ``low`` may carry leading batch dims (both back-projections in one GEMM)."""
+    return torch.matmul(low, projection) if side == RIGHT else torch.matmul(projection, low)
