@@ -4,10 +4,75 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
+
+
+class CommandLineError(Exception):
+    """A bad combination of arguments found after parsing: one line on stderr, exit 2."""
+
+
+def _number(convert: Callable[[str], float], name: str, ok: Callable[[float], bool]):
+    """An argparse type: ``convert`` the text and accept it when ``ok``; argparse turns the
+    ArgumentTypeError into one line on stderr and exit status 2."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}")
+        return value
+    parse.__name__ = name  # argparse names the type in its messages
+    return parse
+
+
+_positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+_non_negative_int = _number(int, "an integer >= 0", lambda v: v >= 0)
+_positive_float = _number(float, "a positive finite number",
+                          lambda v: math.isfinite(v) and v > 0)
+_non_negative_float = _number(float, "a finite number >= 0",
+                              lambda v: math.isfinite(v) and v >= 0)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's exit status 2 for a bad argument, with one line on stderr instead of the
+    whole usage (a long usage hides the error; --help shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _data_path(text: str) -> str:
+    if not text.startswith("hf:") and not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    return text
+
+
+def _device_name(text: str) -> str:
+    """auto, cpu, cuda or cuda:N, refused at once when no GPU can serve it."""
+    import torch
+
+    if text in ("auto", "cpu"):
+        return text
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (auto, cpu, cuda, cuda:N)")\
+            from None
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda devices are supported")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: CUDA is not available here (torch {torch.__version__}, "
+            f"torch.cuda.is_available() is False)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: there are only {torch.cuda.device_count()} CUDA devices")
+    return text
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -41,7 +106,10 @@ def _train_config(args: argparse.Namespace, base):
         options["grad_clip"] = None
     if args.steps is not None:
         options.update(_schedule(args.steps, base, args))
-    return dataclasses.replace(base, device=_device(args.device), **options)
+    try:
+        return dataclasses.replace(base, device=_device(args.device), **options)
+    except ValueError as exc:  # TrainConfig's checks of the options taken together
+        raise CommandLineError(str(exc)) from None
 
 
 def _schedule(steps: int, base, args: argparse.Namespace) -> dict:
@@ -126,43 +194,44 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
         help=f"model preset (default: {defaults.model}); tiny and small suit a CPU, 20m, 60m "
              "and 130m (the FRUGAL paper's LLaMA shapes, here with the 256-byte vocabulary) "
              "want a GPU")
-    add("--steps", type=int, help=f"optimizer steps (default: {defaults.steps})")
-    add("--batch-size", type=int, help=f"sequences per step (default: {defaults.batch_size})")
-    add("--seq-len", type=int, help=f"bytes per sequence (default: {defaults.seq_len})")
-    add("--lr", type=float,
+    add("--steps", type=_positive_int, help=f"optimizer steps (default: {defaults.steps})")
+    add("--batch-size", type=_positive_int, help=f"sequences per step (default: {defaults.batch_size})")
+    add("--seq-len", type=_number(int, "an integer >= 2", lambda v: v >= 2), help=f"bytes per sequence (default: {defaults.seq_len})")
+    add("--lr", type=_positive_float,
         help=f"peak learning rate of every optimizer (default: {defaults.lr:g})")
-    add("--warmup-steps", type=int,
+    add("--warmup-steps", type=_non_negative_int,
         help=f"linear warmup before the schedule (default: {defaults.warmup_steps}, "
              "scaled with --steps)")
     add("--schedule", choices=["wsd", "cosine"],
         help=f"lr after the warmup: wsd holds it and decays linearly over the last "
              f"{defaults.cooldown_fraction * 100:.0f}%% of the steps, cosine decays all along "
              f"(default: {defaults.schedule})")
-    add("--eval-every", type=int,
+    add("--eval-every", type=_positive_int,
         help=f"steps between validation passes (default: {defaults.eval_every}, scaled with "
              "--steps)")
-    add("--eval-batches", type=int,
+    add("--eval-batches", type=_positive_int,
         help=f"fixed validation batches per pass (default: {defaults.eval_batches})")
-    add("--grad-clip", type=float,
+    add("--grad-clip", type=_positive_float,
         help=f"clip the gradient norm to this (default: {defaults.grad_clip:g})")
     add("--no-grad-clip", action="store_true", help="do not clip gradients")
-    add("--weight-decay", type=float,
+    add("--weight-decay", type=_non_negative_float,
         help=f"decoupled weight decay (default: {defaults.weight_decay:g})")
     add("--seed", type=int, help=f"seed of the initial weights and the batches (default: "
                                  f"{defaults.seed})")
-    add("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: a GPU if any)")
-    add("--data", help="a text file or a folder of .txt/.md/.py files to train on (default: the "
+    add("--device", default="auto", type=_device_name,
+        help="cpu, cuda, cuda:N or auto (default: a GPU if any)")
+    add("--data", type=_data_path, help="a text file or a folder of .txt/.md/.py files to train on (default: the "
                        "Python standard library's sources, already on this machine); "
                        "hf:NAME[:CONFIG] streams a Hugging Face dataset (needs `datasets`; "
                        "downloads)")
-    add("--max-bytes", type=int,
+    add("--max-bytes", type=_positive_int,
         help=f"read at most this many bytes of data (default: {defaults.max_bytes:,})")
     add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>)")
     add("--no-progress", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="frugal-kernels",
         description="Memory-frugal LLM training: FRUGAL-family optimizers on fused kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -197,13 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     trainable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
     train_parser.add_argument("--optimizer", default="adafrugal", choices=trainable,
                               help="the optimizer (default: adafrugal)")
-    train_parser.add_argument("--flop-budget", type=float, metavar="F",
+    train_parser.add_argument("--flop-budget", type=_positive_float, metavar="F",
                               help="total FLOPs the run may spend (model and optimizer)")
-    train_parser.add_argument("--governor-window", type=int,
+    train_parser.add_argument("--governor-window",
+                              type=_number(int, "an integer >= 2", lambda v: v >= 2),
                               help="evaluations the governor fits the loss slope on (default 5)")
-    train_parser.add_argument("--governor-patience", type=int,
+    train_parser.add_argument("--governor-patience", type=_positive_int,
                               help="evaluations under the threshold before a stop (default 3)")
-    train_parser.add_argument("--governor-min-improvement", type=float,
+    train_parser.add_argument("--governor-min-improvement", type=_non_negative_float,
                               help="relative loss improvement under which the rest of the "
                                    "budget is not worth spending (default 0.005)")
     train_parser.add_argument("--save-model", action="store_true",
@@ -217,23 +287,34 @@ def build_parser() -> argparse.ArgumentParser:
                     "baseline and torch.optim.AdamW(fused=True), and whole optimizer steps on a "
                     "LLaMA-shaped parameter set, all measured side by side in one run. Writes "
                     "<out>/<device-id>.json, .md and .png.")
-    bench.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    bench.add_argument("--device", default="auto", type=_device_name,
+                       help="cpu, cuda or auto (default)")
     bench.add_argument("--quick", action="store_true", help="a short run (under a minute on a CPU)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"),
                        help="folder for the results (default: bench/results)")
-    bench.add_argument("--ops", nargs="+", metavar="OP", help="only these ops (e.g. adamw_)")
+    from frugal_kernels.bench.ops import OP_NAMES
+    from frugal_kernels.model import PRESETS
+
+    bench.add_argument("--ops", nargs="+", metavar="OP", choices=OP_NAMES,
+                       help=f"only these ops, from {', '.join(OP_NAMES)}")
     bench.add_argument("--no-ops", action="store_true", help="skip the op sweep")
     bench.add_argument("--no-optimizers", action="store_true", help="skip the optimizer steps")
-    bench.add_argument("--preset", help="model shape of the optimizer part (default 130m, "
+    bench.add_argument("--preset", choices=sorted(PRESETS), help="model shape of the optimizer part (default 130m, "
                                         "20m with --quick)")
-    bench.add_argument("--rounds", type=int, help="timing rounds per candidate")
+    bench.add_argument("--rounds", type=_positive_int, help="timing rounds per candidate")
     bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CommandLineError as exc:
+        print(f"{parser.prog} {args.command}: error: {exc} (see {parser.prog} {args.command} "
+              "--help)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -197,3 +197,39 @@ def test_help_of_every_command(command, capsys):
         main([*command, "--help"])
     assert exit_info.value.code == 0
     assert "usage: frugal-kernels" in capsys.readouterr().out
+
+
+BAD_ARGUMENTS = [
+    (["train", "--steps", "-5"], "--steps"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--data", "/nonexistent/corpus"], "does not exist"),
+    (["train", "--lr", "-1"], "--lr"),
+    (["demo", "--lr", "nan"], "--lr"),
+    (["demo", "--batch-size", "0"], "--batch-size"),
+    (["demo", "--seq-len", "1"], "--seq-len"),
+    (["train", "--flop-budget", "-1"], "--flop-budget"),
+    (["train", "--governor-window", "1"], "--governor-window"),
+    (["demo", "--weight-decay", "-0.1"], "--weight-decay"),
+    (["demo", "--device", "tpu"], "not a device"),
+    (["bench", "--ops", "nosuch"], "--ops"),
+    (["bench", "--rounds", "-1"], "--rounds"),
+    (["bench", "--preset", "7b"], "--preset"),
+    (["train", "--warmup-steps", "50", "--steps", "10"], "warmup_steps"),
+    (["nosuch"], "invalid choice"),
+]
+if not torch.cuda.is_available():
+    BAD_ARGUMENTS.append((["demo", "--device", "cuda"], "CUDA is not available"))
+
+
+@pytest.mark.parametrize("argv,fragment", BAD_ARGUMENTS, ids=lambda a: " ".join(a)
+                         if isinstance(a, list) else None)
+def test_bad_arguments_get_one_line_and_status_2(argv, fragment, capsys):
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:
+        status = exit_info.code
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and fragment in lines[0], captured.err

@@ -136,6 +136,10 @@ def _lowrank_step_cases(params, dtype, rho):
                    backends=tuple(sorted(ops.CAPABILITIES["frugal::lowrank_step_"])))]
 
 
+# The ops the sweep knows, as `frugal-kernels bench --ops` takes them.
+OP_NAMES = tuple(_FACTORIES)
+
+
 def _default_backends(device: torch.device) -> List[str]:
     usable = ops.usable_backends(device.type)
     # The torch backend is the readable reference (a loop of small ops) and the
