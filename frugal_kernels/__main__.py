@@ -79,8 +79,11 @@ def _bench(args: argparse.Namespace) -> int:
     from frugal_kernels import bench
     from frugal_kernels.bench.report import markdown
 
+    sections = set(args.only or bench.SECTIONS)
     result = bench.run(device=args.device, quick=args.quick, out=args.out, op_names=args.ops,
-                       with_ops=not args.no_ops, with_optimizers=not args.no_optimizers,
+                       with_ops="ops" in sections and not args.no_ops,
+                       with_optimizers="optimizers" in sections and not args.no_optimizers,
+                       with_overhead="overhead" in sections and not args.no_overhead,
                        preset=args.preset, rounds=args.rounds,
                        command="frugal-kernels " + " ".join(sys.argv[1:]))
     print(markdown(result))
@@ -299,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"only these ops, from {', '.join(OP_NAMES)}")
     bench.add_argument("--no-ops", action="store_true", help="skip the op sweep")
     bench.add_argument("--no-optimizers", action="store_true", help="skip the optimizer steps")
+    bench.add_argument("--no-overhead", action="store_true",
+                       help="skip the host-overhead steps")
+    bench.add_argument("--only", nargs="+", metavar="SECTION", choices=("ops", "optimizers",
+                                                                        "overhead"),
+                       help="run only these sections: ops, optimizers, overhead (the host time "
+                            "per step on LLaMA-130M's tensor structure with tiny tensors)")
     bench.add_argument("--preset", choices=sorted(PRESETS), help="model shape of the optimizer part (default 130m, "
                                         "20m with --quick)")
     bench.add_argument("--rounds", type=_positive_int, help="timing rounds per candidate")

@@ -15,15 +15,19 @@ import torch
 from frugal_kernels.bench import fingerprint as _fingerprint
 from frugal_kernels.bench import ops as _ops
 from frugal_kernels.bench import optimizers as _optimizers
+from frugal_kernels.bench import overhead as _overhead
 from frugal_kernels.bench import report
 
-__all__ = ["run"]
+__all__ = ["run", "SECTIONS"]
+
+# The parts of a run, as `frugal-kernels bench --only` names them.
+SECTIONS = ("ops", "optimizers", "overhead")
 
 
 def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None,
         op_names: Optional[Sequence[str]] = None, with_ops: bool = True,
-        with_optimizers: bool = True, preset: Optional[str] = None, rounds: Optional[int] = None,
-        command: str = "") -> dict:
+        with_optimizers: bool = True, with_overhead: bool = True, preset: Optional[str] = None,
+        rounds: Optional[int] = None, command: str = "") -> dict:
     """Run the benchmark sweep and write its results; returns them as a dict."""
     from tqdm.auto import tqdm
 
@@ -52,6 +56,11 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
             bar.update(1)
         result["optimizers"] = {"preset": preset, "num_params": num_params, "state": state,
                                 "step": steps}
+    if with_overhead:
+        # The tensor structure of the full-size preset even in a quick run: it is tiny.
+        with tqdm(total=1, desc="host overhead (130m structure)", unit="part") as bar:
+            result["overhead"] = _overhead.host_overhead("130m", rounds=max(rounds, 15))
+            bar.update(1)
     out = Path(out) if out is not None else Path("bench/results")
     stem = _fingerprint.device_id(fp) + ("-quick" if quick else "")
     result["files"] = [str(p) for p in report.write(result, out, stem)]

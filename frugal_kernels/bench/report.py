@@ -43,6 +43,18 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {t * 1e3:.1f} | "
                          f"{opt['step']['speedup_vs_torch_adamw_fused'][name]:.2f} |")
         lines.append("")
+    over = result.get("overhead")
+    if over:
+        lines += [f"## Host time per step ({over['preset']} tensor structure: {over['tensors']} "
+                  f"tensors of {over['numel']:,} elements in all, {over['threads']} thread)", "",
+                  f"torch.optim.AdamW(fused=True): {over['torch_adamw_fused_us']:.0f} us per "
+                  "step, in the same rounds. A change: what a step that chooses the subspace "
+                  "again costs on top of a steady one.", "",
+                  "| optimizer | us/step | x fused AdamW | change, us |", "|---|---|---|---|"]
+        for r in over["rows"]:
+            lines.append(f"| {r['optimizer']} | {r['step_us']:.0f} | "
+                         f"{r['vs_torch_adamw_fused']:.2f} | {r['change_us']:.0f} |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -1,0 +1,31 @@
+"""The host-overhead benchmark measures what it says (its timings are not asserted)."""
+
+import torch
+
+import frugal_kernels as fk
+from frugal_kernels.bench import overhead
+from frugal_kernels.bench.report import markdown
+
+
+def test_tiny_structure_keeps_the_tensors_of_llama_130m():
+    model = overhead.tiny_structure("130m")
+    names = [n for n, _ in model.named_parameters()]
+    # 12 layers of 4 attention, 3 MLP and 2 norm weights; embedding, final norm, head.
+    assert len(names) == 12 * 9 + 3
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    groups = fk.param_groups(model)
+    assert [len(g["params"]) for g in groups] == [12 * 2 + 3, 12 * 7]
+    assert sum(p.numel() for p in model.parameters()) < 10_000
+
+
+def test_host_overhead_rows_for_every_optimizer():
+    threads = torch.get_num_threads()
+    result = overhead.host_overhead("20m", rounds=1)
+    assert [r["optimizer"] for r in result["rows"]] == [
+        f"frugal_{p}" for p in fk.optim.subspace.PROJECTIONS] + ["adafrugal_blocks"]
+    for r in result["rows"]:
+        assert r["step_us"] > 0 and r["vs_torch_adamw_fused"] > 0
+    assert result["threads"] == 1 and torch.get_num_threads() == threads  # restored
+    text = markdown({"fingerprint": {"gpu": "x", "torch": "", "triton": "", "frugal_kernels": ""},
+                     "command": "", "overhead": result})
+    assert "frugal_svd" in text and "x fused AdamW" in text
