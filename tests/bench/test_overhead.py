@@ -29,3 +29,15 @@ def test_host_overhead_rows_for_every_optimizer():
     text = markdown({"fingerprint": {"gpu": "x", "torch": "", "triton": "", "frugal_kernels": ""},
                      "command": "", "overhead": result})
     assert "frugal_svd" in text and "x fused AdamW" in text
+
+
+def test_op_sweep_reports_the_in_place_roofline():
+    from frugal_kernels.bench import ops as bench_ops
+
+    rows = bench_ops.sweep(device=torch.device("cpu"), numels=[1 << 12], dtypes=[torch.float32],
+                           backends=["torch"], op_names=["sign_sgd_"], rounds=1)
+    assert [r["op"] for r in rows] == ["sign_sgd_"]
+    r = rows[0]
+    assert r["bytes"] == 3 * r["numel"] * 4  # p read and written, g read
+    assert abs(r["roofline_fraction"] - r["gbps"] / r["roofline_gbps"]) < 1e-12
+    assert abs(r["copy_fraction"] - r["gbps"] / r["copy_gbps"]) < 1e-12
