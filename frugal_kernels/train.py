@@ -108,6 +108,18 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
 
+    def with_steps(self, steps: int, *, warmup_steps: Optional[int] = None,
+                   eval_every: Optional[int] = None) -> "TrainConfig":
+        """This config for a run of ``steps`` steps: the warmup and the evaluation interval
+        keep their proportion to the steps unless given, so that a short run still warms up
+        and gets evaluations (for the governor)."""
+        if warmup_steps is None:
+            warmup_steps = steps * self.warmup_steps // self.steps
+        if eval_every is None:
+            eval_every = max(1, steps * self.eval_every // self.steps)
+        return dataclasses.replace(self, steps=steps, warmup_steps=warmup_steps,
+                                   eval_every=eval_every)
+
 
 # An optimizer factory gets the model and the run's config (steps, lr, weight decay).
 OptimizerFactory = Callable[[nn.Module, TrainConfig], Optimizer]
