@@ -62,7 +62,7 @@ def test_full_rank_lowrank_is_adamw_in_the_rotated_basis(projection):
 
 
 @pytest.mark.parametrize("projection", PROJECTIONS)
-def test_density_zero_is_signsgd_on_projected_and_adamw_on_regular(projection):
+def test_density_zero_is_sign_sgd_on_projected_and_adamw_on_regular(projection):
     proj, reg = make_params()
     opt = fk.FRUGAL(groups(proj, reg), density=0.0, update_gap=5, projection=projection, **HYPER)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in reg]
