@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.data import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
-from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.optim.memory import release_freed_memory
 
 __all__ = [

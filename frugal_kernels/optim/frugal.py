@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -128,7 +128,7 @@ class FRUGAL(FusedOptimizer):
         self._steps_taken = 0
         self._last_change: Optional[int] = None
         # Per projected group (by index) whose subspace is chosen: its family's record.
-        self._subspaces: dict = {}
+        self._subspaces: Dict[int, dict] = {}
         self.history: List[dict] = []
         super().__init__(params, defaults, backend)
 
