@@ -42,8 +42,8 @@ class FRUGAL(FusedOptimizer):
             &\hspace{5mm} k \leftarrow k + 1, \quad \tilde{g} \leftarrow P^{\top} g_t       \\
             &\hspace{5mm} m \leftarrow \beta_1 m + (1 - \beta_1) \tilde{g}                \\
             &\hspace{5mm} v \leftarrow \beta_2 v + (1 - \beta_2) \tilde{g}^2              \\
-            &\hspace{5mm} u \leftarrow P \, \big(m / (1 - \beta_1^k)\big) \big/
-                \big(\sqrt{v / (1 - \beta_2^k)} + \epsilon\big)                          \\
+            &\hspace{5mm} u \leftarrow P \, \Big(\frac{m / (1 - \beta_1^k)}
+                {\sqrt{v / (1 - \beta_2^k)} + \epsilon}\Big)                              \\
             &\hspace{5mm} \theta_t \leftarrow \theta_{t-1} (1 - \gamma \lambda) - \gamma u
                 - \gamma s \, \phi\big(g_t - P P^{\top} g_t\big)                        \\
             &\rule{110mm}{0.4pt}                                                          \\[-1.ex]
