@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -100,31 +99,21 @@ def _device(name: str) -> str:
 
 
 def _train_config(args: argparse.Namespace, base):
-    """``base`` with the options given on the command line."""
+    """``base`` with the options given on the command line; ``--steps`` alone scales the
+    warmup and the evaluation interval with it."""
     options = {field: getattr(args, field) for field in (
         "model", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "schedule", "eval_every",
         "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes")}
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_grad_clip:
         options["grad_clip"] = None
-    if args.steps is not None:
-        options.update(_schedule(args.steps, base, args))
     try:
+        if args.steps is not None:
+            base = base.with_steps(args.steps, warmup_steps=args.warmup_steps,
+                                   eval_every=args.eval_every)
         return dataclasses.replace(base, device=_device(args.device), **options)
     except ValueError as exc:  # TrainConfig's checks of the options taken together
         raise CommandLineError(str(exc)) from None
-
-
-def _schedule(steps: int, base, args: argparse.Namespace) -> dict:
-    """``steps`` with the warmup and the evaluation interval in the proportion ``base`` has
-    them, unless given: a short run still warms up and gets evaluations for the governor."""
-    warmup = args.warmup_steps
-    if warmup is None:
-        warmup = steps * base.warmup_steps // base.steps
-    eval_every = args.eval_every
-    if eval_every is None:
-        eval_every = max(1, steps * base.eval_every // base.steps)
-    return {"steps": steps, "warmup_steps": warmup, "eval_every": eval_every}
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -144,12 +133,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import torch
-
     from frugal_kernels import demo
     from frugal_kernels.data import load_corpus
-    from frugal_kernels.model import LlamaForCausalLM
-    from frugal_kernels.train import TrainConfig, steps_for_budget, train
+    from frugal_kernels.train import TrainConfig, steps_for_budget
 
     config = _train_config(args, TrainConfig())
     data = load_corpus(config.data, max_bytes=config.max_bytes)
@@ -159,33 +145,27 @@ def _train(args: argparse.Namespace) -> int:
                                       ("min_improvement", args.governor_min_improvement))
                     if v is not None}
         config = dataclasses.replace(config, flop_budget=args.flop_budget, governor=governor)
-        if args.steps is None:
-            steps = steps_for_budget(args.flop_budget, config, data.vocab_size)
-            config = dataclasses.replace(config, **_schedule(steps, TrainConfig(), args))
-    out = args.out or Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
-    model = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
-    entry = demo.OPTIMIZERS[args.optimizer]
-    print(f"frugal-kernels train: {entry.label} on the {config.model} model "
-          f"({sum(p.numel() for p in model.parameters()):,} parameters), {config.steps} steps of "
-          f"{config.batch_size}x{config.seq_len} tokens on {config.device}"
+        if args.steps is None:  # as long as the budget pays for
+            config = config.with_steps(steps_for_budget(args.flop_budget, config,
+                                                        data.vocab_size),
+                                       warmup_steps=args.warmup_steps, eval_every=args.eval_every)
+    print(f"frugal-kernels train: {demo.OPTIMIZERS[args.optimizer].label} on the {config.model} "
+          f"model ({config.model_config(data.vocab_size).num_params():,} parameters), "
+          f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
+          f"{config.device}"
           + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else ""))
-    started = time.perf_counter()
-    result = train(config, entry.make, model=model, data=data, name=entry.label,
-                   progress=not args.no_progress)
-    metrics = demo.collect_metrics(config, data, {args.optimizer: result},
-                                   time.perf_counter() - started)
-    files = demo.write(metrics, Path(out), "train")
-    if args.save_model:
-        torch.save(model.state_dict(), Path(out) / "model.pt")
-        files.append(str(Path(out) / "model.pt"))
+    metrics = demo.run_train(config, args.optimizer, data=data, out=args.out,
+                             progress=not args.no_progress, save_model=args.save_model)
+    run = metrics["runs"][args.optimizer]
     print()
     print(demo.table(metrics))
-    print(f"\n{result.stop_reason}")
-    if result.decisions:
-        actions = [d["action"] for d in result.decisions]
+    print(f"\n{run['stop_reason']}")
+    if run["decisions"]:
+        actions = [d["action"] for d in run["decisions"]]
         print(f"governor: {len(actions)} evaluations, {actions.count('reallocate')} "
-              f"reallocations; {result.flops:.4g} of {config.flop_budget:.4g} FLOPs spent")
-    print("wrote " + ", ".join(files))
+              f"reallocations; {run['summary']['flops']:.4g} of {config.flop_budget:.4g} FLOPs "
+              "spent")
+    print("wrote " + ", ".join(metrics["files"]))
     return 0
 
 

@@ -27,7 +27,7 @@ from frugal_kernels.optim import FRUGAL, AdaFRUGAL, param_groups
 from frugal_kernels.train import OptimizerFactory, RunResult, TrainConfig, train
 
 __all__ = ["DEFAULTS", "DemoOptimizer", "OPTIMIZERS", "collect_metrics", "plot", "resolve",
-           "run_demo", "table", "write"]
+           "run_demo", "run_train", "table", "write"]
 
 # The paper's T = 200 is for runs of tens of thousands of steps; T = 100 gives the demo's
 # 1200 steps a dozen subspaces, and AdaFRUGAL's rho as many steps down. (T = 200 measured
@@ -120,6 +120,36 @@ def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = tuple(OPTIMI
                               name=entry.label, progress=progress)
     metrics = collect_metrics(config, data, results, time.perf_counter() - started)
     return {**metrics, "out": str(out), "files": write(metrics, out, "demo")}
+
+
+def run_train(config: TrainConfig, name: str = "adafrugal", *,
+              data: Optional[TokenDataset] = None, out: Optional[Path] = None,
+              progress: bool = True, save_model: bool = False) -> dict[str, Any]:
+    """``frugal-kernels train``: train a fresh model with the optimizer ``name`` of
+    :data:`OPTIMIZERS`, under the compute governor when ``config.flop_budget`` is set, on
+    ``data`` (default ``load_corpus(config.data)``); write ``metrics.json``, ``train.png``
+    and, with ``save_model``, the trained weights ``model.pt`` into ``out`` (default
+    ``runs/train-<time>``).
+
+    Returns the metrics (what ``metrics.json`` holds) with ``"out"`` and ``"files"`` added.
+    """
+    entry = OPTIMIZERS[name]
+    if entry.budget_from is not None:
+        raise ValueError(f"{name!r} takes its budget from the {entry.budget_from!r} run; "
+                         "train that one, with config.flop_budget for a governed run")
+    out = Path(out) if out is not None else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+    if data is None:
+        data = load_corpus(config.data, max_bytes=config.max_bytes)
+    model = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
+    started = time.perf_counter()
+    result = train(config, entry.make, model=model, data=data, name=entry.label,
+                   progress=progress)
+    metrics = collect_metrics(config, data, {name: result}, time.perf_counter() - started)
+    files = write(metrics, out, "train")
+    if save_model:
+        torch.save(model.state_dict(), out / "model.pt")
+        files.append(str(out / "model.pt"))
+    return {**metrics, "out": str(out), "files": files}
 
 
 def collect_metrics(config: TrainConfig, data: TokenDataset, results: dict[str, RunResult],

@@ -31,28 +31,30 @@ logger = logging.getLogger(__name__)
 
 # Rough FLOPs per parameter element of one optimizer step, counting each add, multiply,
 # divide, sqrt and sign as one: AdamW is two moment updates (7), the bias-corrected
-# denominator (3), the update (2); SignSGD is sign, scale and subtract.
+# denominator (3), the update (2); SignSGD is sign, scale and subtract. The state-free
+# rules go by the optimizers' names for them (frugal_kernels._layout.STATE_FREE_RULES).
 OPTIMIZER_FLOPS_PER_ELEMENT: dict[str, int] = {
     "adamw": 12,
     "adam": 12,
-    "signsgd": 3,
+    "sign": 3,
     "sgd": 2,
     "sgd_momentum": 4,
     "none": 0,
 }
 
-def optimizer_flops(num_params: int, kind: str = "adamw") -> int:
-    """FLOPs of one optimizer step over ``num_params`` elements updated by rule ``kind``.
 
-    ``kind`` is a key of :data:`OPTIMIZER_FLOPS_PER_ELEMENT`. Mixed optimizers add their parts,
+def optimizer_flops(num_params: int, rule: str = "adamw") -> int:
+    """FLOPs of one optimizer step over ``num_params`` elements updated by ``rule``.
+
+    ``rule`` is a key of :data:`OPTIMIZER_FLOPS_PER_ELEMENT`. Mixed optimizers add their parts,
     e.g. FRUGAL: ``optimizer_flops(n_state_full, "adamw") + optimizer_flops(n_state_free,
-    "signsgd")``.
+    group["state_free"])``.
     """
     try:
-        per_element = OPTIMIZER_FLOPS_PER_ELEMENT[kind.lower()]
+        per_element = OPTIMIZER_FLOPS_PER_ELEMENT[rule.lower()]
     except KeyError:
         raise ValueError(
-            f"unknown optimizer kind {kind!r}; known: {sorted(OPTIMIZER_FLOPS_PER_ELEMENT)}"
+            f"unknown update rule {rule!r}; known: {sorted(OPTIMIZER_FLOPS_PER_ELEMENT)}"
         ) from None
     return per_element * num_params
 

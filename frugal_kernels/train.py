@@ -29,10 +29,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.data import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
-from frugal_kernels.optim.frugal import _release_freed_memory
+from frugal_kernels.optim.memory import release_freed_memory
 
 __all__ = [
     "OptimizerFactory",
@@ -107,6 +108,18 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
 
+    def with_steps(self, steps: int, *, warmup_steps: Optional[int] = None,
+                   eval_every: Optional[int] = None) -> "TrainConfig":
+        """This config for a run of ``steps`` steps: the warmup and the evaluation interval
+        keep their proportion to the steps unless given, so that a short run still warms up
+        and gets evaluations (for the governor)."""
+        if warmup_steps is None:
+            warmup_steps = steps * self.warmup_steps // self.steps
+        if eval_every is None:
+            eval_every = max(1, steps * self.eval_every // self.steps)
+        return dataclasses.replace(self, steps=steps, warmup_steps=warmup_steps,
+                                   eval_every=eval_every)
+
 
 # An optimizer factory gets the model and the run's config (steps, lr, weight decay).
 OptimizerFactory = Callable[[nn.Module, TrainConfig], Optimizer]
@@ -138,10 +151,6 @@ def optimizer_state_bytes(opt: Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
-# FRUGAL's state-free rules under their governor.optimizer_flops names.
-_STATE_FREE_KINDS = {"sign": "signsgd", "sgd": "sgd", "none": "none"}
-
-
 def optimizer_step_flops(opt: Optimizer) -> int:
     """FLOPs of one step of ``opt`` as its state stands now (call it after ``opt.step()``).
 
@@ -152,12 +161,14 @@ def optimizer_step_flops(opt: Optimizer) -> int:
     """
     flops = 0
     for group in opt.param_groups:
-        rest_kind = _STATE_FREE_KINDS.get(group.get("state_free"), "sgd")
+        rest_rule = group.get("state_free")
+        if rest_rule not in STATE_FREE_RULES:
+            rest_rule = "sgd"
         for p in group["params"]:
             exp_avg = opt.state[p].get("exp_avg") if p in opt.state else None
             state_full = 0 if exp_avg is None else min(exp_avg.numel(), p.numel())
             flops += optimizer_flops(state_full, "adamw")
-            flops += optimizer_flops(p.numel() - state_full, rest_kind)
+            flops += optimizer_flops(p.numel() - state_full, rest_rule)
     return flops
 
 
@@ -265,7 +276,7 @@ class _PeakMemory:
             return
         gc.collect()
         # Without this, heap memory freed by an earlier run stays resident and sets the floor.
-        _release_freed_memory()
+        release_freed_memory()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")

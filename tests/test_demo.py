@@ -187,7 +187,7 @@ def test_optimizer_accounting_follows_the_state():
     opt = fk.FRUGAL(groups, density=0.0)
     opt.step()
     assert optimizer_step_flops(opt) == (optimizer_flops(regular, "adamw")
-                                         + optimizer_flops(n - regular, "signsgd"))
+                                         + optimizer_flops(n - regular, "sign"))
     assert optimizer_state_bytes(opt) == opt.state_bytes()
 
 
@@ -233,3 +233,22 @@ def test_bad_arguments_get_one_line_and_status_2(argv, fragment, capsys):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "error:" in lines[0] and fragment in lines[0], captured.err
+
+
+def test_run_train_writes_one_run_and_refuses_a_governed_entry(tmp_path, corpus):
+    metrics = demo.run_train(TINY, "frugal", data=corpus, out=tmp_path / "t", progress=False,
+                             save_model=True)
+    assert list(metrics["runs"]) == ["frugal"]
+    assert metrics["runs"]["frugal"]["summary"]["steps"] == TINY.steps
+    assert sorted(metrics["files"]) == sorted(str(tmp_path / "t" / f)
+                                              for f in ("metrics.json", "train.png", "model.pt"))
+    with pytest.raises(ValueError, match="takes its budget from the 'adafrugal' run"):
+        demo.run_train(TINY, "adafrugal+governor", data=corpus, out=tmp_path / "g")
+
+
+def test_with_steps_keeps_the_schedule_in_proportion_unless_given():
+    short = TrainConfig().with_steps(60)
+    assert (short.steps, short.warmup_steps, short.eval_every) == (60, 6, 4)
+    given = TrainConfig().with_steps(60, warmup_steps=1, eval_every=7)
+    assert (given.warmup_steps, given.eval_every) == (1, 7)
+    assert TrainConfig().with_steps(5).eval_every == 1

@@ -162,10 +162,17 @@ def test_step_counts_model_and_optimizer_flops():
 
 def test_optimizer_flops():
     assert optimizer_flops(1000, "adamw") == 12_000
-    assert optimizer_flops(1000, "SignSGD") == 3_000
+    assert optimizer_flops(1000, "Sign") == 3_000  # names are case-insensitive
     assert optimizer_flops(1000, "none") == 0
-    with pytest.raises(ValueError, match="unknown optimizer kind 'lion'"):
+    with pytest.raises(ValueError, match="unknown update rule 'lion'"):
         optimizer_flops(1000, "lion")
+
+
+def test_every_state_free_rule_has_its_flops_under_the_optimizers_name():
+    from frugal_kernels._layout import STATE_FREE_RULES
+    from frugal_kernels.governor import OPTIMIZER_FLOPS_PER_ELEMENT
+
+    assert set(STATE_FREE_RULES) <= set(OPTIMIZER_FLOPS_PER_ELEMENT)
 
 
 def test_non_finite_loss_stops():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional
 
 from torch import Tensor
 
@@ -15,34 +15,60 @@ __all__ = ["AdaFRUGAL"]
 class AdaFRUGAL(FRUGAL):
     r"""FRUGAL whose density rho and update gap T adapt during training.
 
-    - Dynamic rho: at each subspace change after k completed steps,
-      ``rho = max(rho_end, rho_start - (rho_start - rho_end) * k / rho_steps)``
-      for every projected group (their own ``density`` is ignored). When the
-      state-full set shrinks, the state it drops is freed.
+    .. math::
+       \begin{aligned}
+            &\rule{110mm}{0.4pt}                                                          \\
+            &\textbf{input}: \rho_{start}, \rho_{end}, \: K \text{ (rho\_steps)},
+                \: T_0 \text{ (update\_gap)}, \: T_{max} \text{ (update\_gap\_max)}      \\
+            &\hspace{13mm} \tau \text{ (loss\_tolerance)}, \: \eta \text{ (gap\_growth)},
+                \: w \text{ (loss\_window)}, \text{ and FRUGAL's inputs}               \\
+            &\rule{110mm}{0.4pt}                                                          \\
+            &T \leftarrow T_0                                                            \\
+            &\textbf{at the subspace change after } k \textbf{ completed steps}:         \\
+            &\hspace{5mm} \rho \leftarrow \max\big(\rho_{end}, \: \rho_{start}
+                - (\rho_{start} - \rho_{end}) \, k / K\big)                              \\
+            &\hspace{5mm} \text{choose FRUGAL's subspace with density } \rho            \\
+            &\textbf{at each observed loss}: \: \mathcal{L} \leftarrow
+                \mathcal{L} \cup \{L\}                                                   \\
+            &\hspace{5mm} \textbf{if} \: |\mathcal{L}| \geq w \: \textbf{and} \:
+                |L_{first} - L_{last}| / |L_{first}| < \tau \text{ over the last } w      \\
+            &\hspace{10mm} T \leftarrow \min(T_{max}, \lceil \eta T \rceil), \quad
+                \mathcal{L} \leftarrow \emptyset                                          \\
+            &\textbf{each step}: \text{ FRUGAL's step with } \rho \text{ and } T          \\
+            &\rule{110mm}{0.4pt}                                                          \\[-1.ex]
+       \end{aligned}
+
+    - Dynamic rho: the decay above, for every projected group (their own
+      ``density`` is ignored). When the state-full set shrinks, the state it
+      drops is freed, and handed back to the OS
+      (:func:`frugal_kernels.optim.memory.release_freed_memory`).
     - Dynamic T: :meth:`observe_loss` feeds a (validation or smoothed
-      training) loss. Once ``loss_window`` losses have been observed, if their
-      relative change ``|L_first - L_last| / |L_first|`` is under
-      ``loss_tolerance``, T grows to ``min(update_gap_max, ceil(T * gap_growth))``
-      and the window starts afresh. ``loss_window`` counts observed losses,
-      not steps.
+      training) loss; ``loss_window`` counts observed losses, not steps.
 
     Either schedule can be switched off: ``dynamic_rho=False`` keeps
     ``rho = rho_start``; ``dynamic_update_gap=False`` keeps T. A
     :class:`frugal_kernels.Governor` steers both through
-    :meth:`apply_governor`. Other arguments are those of :class:`FRUGAL`.
+    :meth:`apply_governor`. ``opt.rho`` and ``opt.update_gap`` give the
+    current values and ``opt.history`` lists the subspace changes and T
+    changes (step, rho, T, reason).
 
-    ``opt.rho`` and ``opt.update_gap`` give the current values and
-    ``opt.history`` lists the subspace changes and T changes (step, rho, T,
-    reason).
+    Args:
+        params, lr: as :class:`FRUGAL`.
+        rho_start, rho_end, rho_steps: the density's decay; ``rho_steps`` (K, usually the
+            length of training) is needed when ``dynamic_rho``.
+        update_gap, update_gap_max: T's start and ceiling.
+        loss_tolerance, gap_growth, loss_window: the loss-aware rule of T.
+        dynamic_rho, dynamic_update_gap: switch a schedule on or off.
+        **frugal_options: the other arguments of :class:`FRUGAL` (``betas``, ``eps``,
+            ``weight_decay``, ``projection``, ``state_free``, ``seed``, ``backend``...);
+            ``density`` is ``rho_start``'s.
     """
 
     def __init__(
         self,
         params: Iterable,
         lr: float | Tensor = 1e-3,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        *,
         rho_start: float = 0.25,
         rho_end: float = 0.05,
         rho_steps: Optional[int] = None,
@@ -53,14 +79,10 @@ class AdaFRUGAL(FRUGAL):
         loss_window: int = 3,
         dynamic_rho: bool = True,
         dynamic_update_gap: bool = True,
-        projection: str = "blocks",
-        state_free: str = "sign",
-        state_free_lr_scale: float = 1.0,
-        reset_state: bool = True,
-        block_order: str = "random",
-        seed: int = 0,
-        backend: str = "auto",
+        **frugal_options: Any,
     ):
+        if "density" in frugal_options:
+            raise TypeError("AdaFRUGAL takes rho_start, rho_end and rho_steps, not density")
         if not 0.0 <= rho_end <= rho_start <= 1.0:
             raise ValueError(f"need 0 <= rho_end <= rho_start <= 1, got rho_start={rho_start}, "
                              f"rho_end={rho_end}")
@@ -83,11 +105,7 @@ class AdaFRUGAL(FRUGAL):
         self._rho_scale = 1.0        # in effect since the last subspace change
         self._next_rho_scale = 1.0   # from the next one (a governor's reallocation)
         self._losses: List[float] = []
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         density=rho_start, update_gap=update_gap, projection=projection,
-                         state_free=state_free, state_free_lr_scale=state_free_lr_scale,
-                         reset_state=reset_state, block_order=block_order, seed=seed,
-                         backend=backend)
+        super().__init__(params, lr, density=rho_start, update_gap=update_gap, **frugal_options)
 
     def _current_density(self) -> float:
         rho = self.rho_start
@@ -151,14 +169,17 @@ class AdaFRUGAL(FRUGAL):
                              "reason": f"{reason}; T {self._update_gap} -> {new_gap}"})
         self._update_gap = new_gap
 
-    def _extra_state(self) -> dict:
+    def _schedule_state(self) -> dict:
         return {"rho_scale": self._rho_scale, "next_rho_scale": self._next_rho_scale,
                 "losses": list(self._losses)}
 
-    def _load_extra_state(self, extra: dict) -> None:
-        if "rho_scale" not in extra:
+    def _check_state_dict(self, state_dict: dict) -> None:
+        super()._check_state_dict(state_dict)
+        if "rho_scale" not in state_dict["frugal"]:
             raise ValueError("this state dict was saved by FRUGAL, not AdaFRUGAL: it has no "
                              "schedule state to resume")
+
+    def _load_schedule_state(self, extra: dict) -> None:
         self._rho_scale = float(extra["rho_scale"])
         self._next_rho_scale = float(extra["next_rho_scale"])
         self._losses = [float(x) for x in extra["losses"]]

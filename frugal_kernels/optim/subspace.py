@@ -14,10 +14,11 @@ from torch import Tensor
 
 from frugal_kernels._layout import RIGHT, lowrank_side, matrix_shape
 
+# FRUGAL's projections (frugal_kernels.optim.projections.FAMILIES has one family for each)
+# and the orders of the blocks projection.
 PROJECTIONS = ("blocks", "columns", "rows", "randk", "random", "svd")
-COORDINATE_PROJECTIONS = {"rows": "rows", "columns": "columns", "randk": "flat"}
-LOWRANK_PROJECTIONS = ("random", "svd")
 BLOCK_ORDERS = ("random", "ascending", "descending", "mirror")
+
 
 def subset_size(density: float, dim: int) -> int:
     """How many of ``dim`` rows, columns, coordinates or directions a density keeps.
@@ -77,7 +78,8 @@ def choose_subset(dim: int, k: int, generator: torch.Generator, device: torch.de
     return ids.to(dtype=dtype, device=device)
 
 
-def make_projection(kind: str, grad: Tensor, rank: int, generator: torch.Generator) -> Tensor:
+def make_projection(projection: str, grad: Tensor, rank: int,
+                    generator: torch.Generator) -> Tensor:
     """A projection with orthonormal rows (RIGHT, [r, n]) or columns (LEFT, [m, r]), fp32.
 
     ``svd``: the top singular vectors of the current gradient (GaLore);
@@ -86,10 +88,10 @@ def make_projection(kind: str, grad: Tensor, rank: int, generator: torch.Generat
     """
     m, n = matrix_shape(grad.shape)
     side = lowrank_side(grad.shape)
-    if kind == "svd":
+    if projection == "svd":
         u, _, vh = torch.linalg.svd(grad.reshape(m, n).float(), full_matrices=False)
         return (vh[:rank] if side == RIGHT else u[:, :rank]).contiguous()
-    if kind == "random":
+    if projection == "random":
         dim = n if side == RIGHT else m
         gaussian = torch.randn(dim, rank, generator=generator, dtype=torch.float32)
         q, r = torch.linalg.qr(gaussian)
@@ -98,4 +100,4 @@ def make_projection(kind: str, grad: Tensor, rank: int, generator: torch.Generat
         q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
         q = q.to(grad.device)
         return (q.t() if side == RIGHT else q).contiguous()
-    raise ValueError(f"unknown low-rank projection {kind!r}")
+    raise ValueError(f"unknown low-rank projection {projection!r}")

@@ -129,12 +129,12 @@ def changed_at(opt, t: int) -> bool:
     return any(h["step"] == t and h["reason"] in ("initial", "update_gap") for h in opt.history)
 
 
-def mask_of(p: torch.Tensor, indices: torch.Tensor, kind: str) -> torch.Tensor:
+def mask_of(p: torch.Tensor, indices: torch.Tensor, subset_kind: str) -> torch.Tensor:
     mask = torch.zeros(p.shape, dtype=torch.bool)
     idx = indices.long().cpu()
-    if kind == "rows":
+    if subset_kind == "rows":
         mask[idx] = True
-    elif kind == "columns":
+    elif subset_kind == "columns":
         mask[..., idx] = True
     else:
         mask.view(-1)[idx] = True

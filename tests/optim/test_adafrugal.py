@@ -7,9 +7,9 @@ import torch
 
 import frugal_kernels as fk
 
-from .helpers import HYPER, grad_sequence, groups, make_params, run, set_grads
+from frugal_kernels.optim.subspace import PROJECTIONS
 
-ALL_PROJECTIONS = ["blocks", "columns", "rows", "randk", "random", "svd"]
+from .helpers import HYPER, grad_sequence, groups, make_params, run, set_grads
 
 
 def _rss_bytes() -> int:
@@ -31,7 +31,7 @@ def test_rho_follows_the_linear_decay_at_each_subspace_change():
     assert opt.rho == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("projection", ALL_PROJECTIONS)
+@pytest.mark.parametrize("projection", PROJECTIONS)
 def test_rho_shrink_frees_state_for_every_projection(projection):
     # equal shapes, so that fewer blocks always means fewer bytes
     proj, reg = make_params(projected=[(64, 96), (96, 64)] * 2, regular=[])

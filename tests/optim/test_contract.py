@@ -282,3 +282,4 @@ def test_group_without_gradients_is_left_alone(projection, first_has_grad):
         opt.step()
     assert not torch.equal(stepped, before_stepped)
     assert torch.equal(idle, before_idle)
+    assert "exp_avg" not in opt.state[idle]  # moments come with the first gradient

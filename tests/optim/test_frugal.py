@@ -5,15 +5,18 @@ import torch
 
 import frugal_kernels as fk
 from frugal_kernels._layout import RIGHT, lowrank_side
+from frugal_kernels.optim.projections import FAMILIES, CoordinateSubset
+from frugal_kernels.optim.subspace import PROJECTIONS
 
 from ..ops.helpers import cpu_backends
 from .helpers import (HYPER, LoopReference, changed_at, grad_sequence, groups, make_params,
                       mask_of, rel, run, set_grads)
 
-COORDINATE_KINDS = {"columns": "columns", "rows": "rows", "randk": "flat"}
+SUBSET_KINDS = {name: family.subset_kind for name, family in FAMILIES.items()
+                if isinstance(family, CoordinateSubset)}
 
 
-@pytest.mark.parametrize("projection", ["blocks", "columns", "rows", "randk"])
+@pytest.mark.parametrize("projection", ["blocks", *SUBSET_KINDS])
 @pytest.mark.parametrize("update_gap,reset_state", [(1000, True), (7, False)],
                          ids=["one-subspace", "changes-keeping-state"])
 def test_density_one_equals_adamw_over_100_steps(projection, update_gap, reset_state):
@@ -58,8 +61,8 @@ def test_full_rank_lowrank_is_adamw_in_the_rotated_basis(projection):
         assert rel(rotate(p.detach()), rotated.detach()) <= 1e-5
 
 
-@pytest.mark.parametrize("projection", ["blocks", "columns", "rows", "randk", "random", "svd"])
-def test_density_zero_is_signsgd_on_projected_and_adamw_on_regular(projection):
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_density_zero_is_sign_sgd_on_projected_and_adamw_on_regular(projection):
     proj, reg = make_params()
     opt = fk.FRUGAL(groups(proj, reg), density=0.0, update_gap=5, projection=projection, **HYPER)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in reg]
@@ -76,7 +79,7 @@ def test_density_zero_is_signsgd_on_projected_and_adamw_on_regular(projection):
         assert rel(p, e) <= 1e-6
     for p, q in zip(reg, theirs):
         assert rel(p, q) <= 1e-6
-    if projection in ("blocks", "columns", "rows", "randk"):
+    if projection == "blocks" or projection in SUBSET_KINDS:
         # nothing is state-full in the projected group: at most empty moments
         assert all(opt.state[p].get("exp_avg", torch.empty(0)).numel() == 0 for p in proj)
 
@@ -108,8 +111,8 @@ def _reference_run(projection, reset_state, state_free="sign", steps=13, gap=4, 
                     ref.m.pop(i, None)
                     ref.state_free_only(i, grads[i])
                 previous[i] = active
-            elif projection in COORDINATE_KINDS:
-                mask = mask_of(p, st["indices"], COORDINATE_KINDS[projection] if p.dim() else "flat")
+            elif projection in SUBSET_KINDS:
+                mask = mask_of(p, st["indices"], SUBSET_KINDS[projection] if p.dim() else "flat")
                 if changed:
                     if reset_state or i not in previous:
                         ref.reset(i, p.shape)
@@ -144,7 +147,7 @@ def _assert_matches(params, ref, projection):
             assert rel(p, expected) <= 1e-5, f"param {i}"
 
 
-@pytest.mark.parametrize("projection", ["blocks", "columns", "rows", "randk", "random", "svd"])
+@pytest.mark.parametrize("projection", PROJECTIONS)
 @pytest.mark.parametrize("reset_state", [True, False])
 def test_matches_loop_reference_over_subspace_changes(projection, reset_state):
     params, ref = _reference_run(projection, reset_state)

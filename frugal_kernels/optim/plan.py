@@ -1,0 +1,174 @@
+"""The plan of a step: tensors bucketed into fused op calls, and the calls themselves.
+
+An optimizer says, for each tensor with a gradient, which update *rule* it
+takes this step (an :class:`Assignment`); :func:`build` groups the tensors
+into :class:`Bucket` s, one per rule, param group, dtype, device and
+bias-correction step, and :func:`run` makes one op call per bucket. The plan
+changes only when a subspace or the set of tensors with gradients changes, so
+it is built outside torch.compile's graphs and reused between changes.
+
+A new rule (a quantized update, say) is a new entry in :data:`RUNNERS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from frugal_kernels import ops
+from frugal_kernels._layout import lowrank_side, project
+
+__all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
+           "run", "step_counters"]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The rule one tensor takes in a step, with what its op call needs to know.
+
+    ``rule`` is ``"adamw"`` (every coordinate state-full), ``"state_free"``
+    (none: the group's ``state_free`` rule only), ``"subset"`` (AdamW on the
+    rows, columns or flat coordinates in ``state["indices"]``, the state-free
+    rule elsewhere) or ``"lowrank"`` (AdamW in the span of
+    ``state["projection"]``, the state-free rule on the residual). Tensors
+    whose assignments are equal can share an op call.
+    """
+
+    rule: str
+    subset_kind: str = ""                    # subset: rows, columns or flat
+    index_dtype: Optional[torch.dtype] = None  # subset: every call takes one index dtype
+    full_rank: bool = False                  # lowrank at full rank: no residual
+
+    @property
+    def stateful(self) -> bool:
+        return self.rule != "state_free"
+
+
+ADAMW = Assignment("adamw")
+STATE_FREE = Assignment("state_free")
+
+
+@dataclass
+class Bucket:
+    """Tensors one op call updates together."""
+
+    assignment: Assignment
+    group: dict
+    lr: Tensor                     # the group's lr as a 0-dim tensor
+    params: List[Tensor] = field(default_factory=list)
+
+
+def ensure_moments(st: dict, shape, device: torch.device) -> None:
+    """Give a state its AdamW moments (fp32, zero) and step count, unless it has them.
+
+    Moments are allocated at the first step a tensor is state-full with a
+    gradient, as torch.optim does, not when its subspace is chosen."""
+    if "exp_avg" in st:
+        return
+    st["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=device)
+    st["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=device)
+    st["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def build(param_groups: Sequence[dict], state,
+          assign: Callable[[int, dict, int, Tensor], Assignment],
+          group_lr: Callable[[int, dict], Tensor]) -> List[Bucket]:
+    """Bucket every tensor with a gradient by ``assign(group_index, group, index, p)``.
+
+    ``assign`` also gives the tensor the state its rule needs; a bucket holds
+    tensors of one group, dtype, device and bias-correction step."""
+    buckets: Dict[tuple, Bucket] = {}
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            assignment = assign(gi, group, i, p)
+            st = state[p]
+            step = float(st["step"]) if "step" in st else 0.0
+            key = (assignment, gi, p.dtype, p.device, step)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = Bucket(assignment, group, group_lr(gi, group))
+            bucket.params.append(p)
+    return list(buckets.values())
+
+
+def step_counters(plan: Sequence[Bucket], state) -> List[Tensor]:
+    """The bias-correction step counts of the plan's state-full tensors."""
+    return [state[p]["step"] for b in plan if b.assignment.stateful for p in b.params]
+
+
+def run(bucket: Bucket, grads: List[Tensor], state, backend: str) -> None:
+    """One fused op call: ``bucket``'s tensors take their rule with ``grads``."""
+    RUNNERS[bucket.assignment.rule](bucket, grads, state, backend)
+
+
+def _moments(bucket: Bucket, state):
+    states = [state[p] for p in bucket.params]
+    return (states, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+            states[0]["step"])
+
+
+def _adamw(bucket: Bucket, grads, state, backend) -> None:
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    _, m, v, step = _moments(bucket, state)
+    ops.adamw_(bucket.params, grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
+               eps=group["eps"], weight_decay=group["weight_decay"], step=step, backend=backend)
+
+
+def _state_free(bucket: Bucket, grads, state, backend) -> None:
+    group, params = bucket.group, bucket.params
+    rule = group["state_free"]
+    wd, scale = group["weight_decay"], group["state_free_lr_scale"]
+    if rule == "sign":
+        ops.sign_sgd_(params, grads, lr=bucket.lr, weight_decay=wd, scale=scale, backend=backend)
+        return
+    # sgd / none: the fused FRUGAL op with an empty state-full set.
+    empty = [torch.empty(0, dtype=torch.int32, device=p.device) for p in params]
+    zeros = [torch.empty(0, device=p.device) for p in params]
+    ops.frugal_step_(params, grads, zeros, zeros, empty, kind="flat", lr=bucket.lr, beta1=0.0,
+                     beta2=0.0, eps=0.0, weight_decay=wd, step=1, state_free=rule,
+                     state_free_scale=scale, backend=backend, check_indices=False)
+
+
+def _subset(bucket: Bucket, grads, state, backend) -> None:
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    states, m, v, step = _moments(bucket, state)
+    ops.frugal_step_(bucket.params, grads, m, v, [st["indices"] for st in states],
+                     kind=bucket.assignment.subset_kind, lr=bucket.lr, beta1=beta1, beta2=beta2,
+                     eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                     state_free=group["state_free"],
+                     state_free_scale=group["state_free_lr_scale"], backend=backend,
+                     check_indices=False)
+
+
+def _lowrank(bucket: Bucket, grads, state, backend) -> None:
+    group, params = bucket.group, bucket.params
+    beta1, beta2 = group["betas"]
+    states, m, v, step = _moments(bucket, state)
+    projections = [st["projection"] for st in states]
+    sides = [lowrank_side(p.shape) for p in params]
+    low_grads = [project(g, proj, side) for g, proj, side in zip(grads, projections, sides)]
+    # AdamW on a zero "parameter" without decay leaves exactly the update in it.
+    low_updates = [torch.zeros_like(lg) for lg in low_grads]
+    ops.adamw_(low_updates, low_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
+               eps=group["eps"], weight_decay=0.0, step=step, backend=backend)
+    # At full rank the residual is zero but for rounding, which a sign would
+    # blow up to +-lr: there is no state-free part.
+    rule = "none" if bucket.assignment.full_rank else group["state_free"]
+    ops.lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=bucket.lr,
+                      weight_decay=group["weight_decay"], state_free=rule,
+                      state_free_scale=group["state_free_lr_scale"], backend=backend)
+
+
+RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], dict, str], None]] = {
+    "adamw": _adamw,
+    "state_free": _state_free,
+    "subset": _subset,
+    "lowrank": _lowrank,
+}

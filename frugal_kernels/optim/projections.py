@@ -1,0 +1,220 @@
+"""FRUGAL's projection families: how each splits a param group into state-full and state-free.
+
+A family knows, for the tensors of one param group, how to choose the
+state-full subspace (:meth:`Projection.choose`, at each subspace change),
+which op rule each tensor takes and the state that rule needs
+(:meth:`Projection.assign`, when the plan is built) and whether a saved state
+fits a tensor (:meth:`Projection.fits`). The optimizer keeps the schedule
+(when subspaces change, with which density) and the plan; a new projection is
+a new family here, not a new branch there. :data:`DENSE` (every coordinate
+state-full) serves the groups that are not projected.
+
+Families hold no state of their own: what one remembers about a group
+between subspace changes (the active blocks, the cursor of their order) lives
+in :attr:`Subspace.record`, which the optimizer saves in its state dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, MutableMapping
+
+import torch
+from torch import Tensor
+
+from frugal_kernels._layout import (lowrank_dim, lowrank_side, lowrank_state_shape,
+                                    projection_rank, projection_shapes, subset_dim,
+                                    subset_state_shape)
+from frugal_kernels.optim import subspace
+from frugal_kernels.optim.plan import ADAMW, STATE_FREE, Assignment, ensure_moments
+
+__all__ = ["DENSE", "FAMILIES", "Blocks", "CoordinateSubset", "Dense", "LowRank", "Projection",
+           "Subspace"]
+
+
+@dataclass
+class Subspace:
+    """What a family reads and writes about one param group.
+
+    ``group`` is the param group (``params``, ``reset_state``,
+    ``block_order``...), ``state`` the optimizer's per-tensor state,
+    ``density`` the fraction to keep state-full now, ``generator`` the source
+    of every random choice and ``record`` the family's own memory of the group
+    (numbers and lists of numbers, so that it is saved with the state)."""
+
+    group: dict
+    state: MutableMapping[Tensor, dict]
+    generator: torch.Generator
+    density: float
+    record: dict
+
+
+class Projection:
+    """A family of state-full subspaces (blocks, coordinate subsets, low-rank)."""
+
+    # Per-tensor state entries besides AdamW's exp_avg, exp_avg_sq and step.
+    state_keys: tuple = ()
+
+    def choose(self, sub: Subspace) -> None:
+        """Choose the group's subspace again, dropping the state it no longer needs."""
+
+    def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
+        """The rule of ``p`` (``group["params"][i]``, with a gradient) until the next change;
+        gives it the state that rule needs."""
+        raise NotImplementedError
+
+    def fits(self, saved: dict, p: Tensor) -> bool:
+        """Whether a saved state with moments (``exp_avg``) belongs to ``p`` in this family."""
+        raise NotImplementedError
+
+
+class Dense(Projection):
+    """Every coordinate state-full: plain AdamW with moments of the tensor's shape."""
+
+    def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
+        ensure_moments(sub.state[p], p.shape, p.device)
+        return ADAMW
+
+    def fits(self, saved: dict, p: Tensor) -> bool:
+        return tuple(saved["exp_avg"].shape) == tuple(p.shape)
+
+
+class Blocks(Dense):
+    """Whole tensors: ``round(density * n)`` of the group's n tensors get AdamW, in the
+    group's ``block_order``; the others the state-free rule, and no state."""
+
+    def choose(self, sub: Subspace) -> None:
+        params, order = sub.group["params"], sub.group["block_order"]
+        n_active = subspace.num_active_blocks(sub.density, len(params), order)
+        first = len(params) - 1 if order == "descending" else 0
+        active, cursor = subspace.choose_blocks(len(params), n_active, order,
+                                                sub.record.get("cursor", first), sub.generator)
+        previous = set(sub.record.get("active", ()))
+        sub.record.update(active=active, cursor=cursor)
+        for i, p in enumerate(params):
+            if i not in active or sub.group["reset_state"] or i not in previous:
+                # Leaving (or staying out of) the state-full set frees the state;
+                # entering it, or a reset, starts fresh moments at the next step.
+                sub.state[p].clear()
+
+    def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
+        return super().assign(sub, i, p) if i in sub.record["active"] else STATE_FREE
+
+
+class CoordinateSubset(Projection):
+    """A random subset of ``round(density * dim)`` rows, columns or flat coordinates of each
+    tensor, with compact moments; one fused ``frugal_step_`` per bucket."""
+
+    state_keys = ("indices",)
+
+    def __init__(self, subset_kind: str):
+        self.subset_kind = subset_kind
+
+    def _subset_kind(self, p: Tensor) -> str:
+        return "flat" if p.dim() == 0 else self.subset_kind
+
+    def choose(self, sub: Subspace) -> None:
+        for p in sub.group["params"]:
+            subset_kind = self._subset_kind(p)
+            dim = subset_dim(p, subset_kind)
+            indices = subspace.choose_subset(dim, subspace.subset_size(sub.density, dim),
+                                             sub.generator, p.device)
+            st = sub.state[p]
+            if sub.group["reset_state"] or "exp_avg" not in st:
+                st.clear()
+            else:
+                _carry_moments(st, indices, subset_state_shape(p, subset_kind, indices.numel()),
+                               dim=-1 if subset_kind == "columns" else 0)
+            st["indices"] = indices
+
+    def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
+        st = sub.state[p]
+        subset_kind = self._subset_kind(p)
+        ensure_moments(st, subset_state_shape(p, subset_kind, st["indices"].numel()), p.device)
+        return Assignment("subset", subset_kind=subset_kind, index_dtype=st["indices"].dtype)
+
+    def fits(self, saved: dict, p: Tensor) -> bool:
+        return "indices" in saved and tuple(saved["exp_avg"].shape) == subset_state_shape(
+            p, self._subset_kind(p), saved["indices"].numel())
+
+
+def _carry_moments(st: dict, indices: Tensor, shape, dim: int) -> None:
+    """reset_state=False: coordinates in both the old and the new subset keep their
+    moments, new ones start at zero."""
+    old, new = st["indices"].long(), indices.long()
+    if old.numel() == 0:
+        src = dst = torch.empty(0, dtype=torch.long, device=new.device)
+    else:
+        pos = torch.searchsorted(old, new).clamp(max=old.numel() - 1)
+        hit = old[pos] == new
+        src, dst = pos[hit], torch.nonzero(hit).squeeze(1)
+    for key in ("exp_avg", "exp_avg_sq"):
+        moment = st[key]
+        fresh = torch.zeros(shape, dtype=moment.dtype, device=moment.device)
+        fresh.index_copy_(dim, dst, moment.index_select(dim, src))
+        st[key] = fresh
+
+
+class LowRank(Projection):
+    """A rank ``round(density * d)`` subspace of each matrix (``d`` its smaller side), random
+    semi-orthogonal or the gradient's top singular vectors; the state-free rule takes the
+    residual. Tensors of fewer than 2 dims get plain AdamW."""
+
+    state_keys = ("projection",)
+
+    def __init__(self, projection: str):
+        self.projection = projection
+
+    def choose(self, sub: Subspace) -> None:
+        for p in sub.group["params"]:
+            st = sub.state[p]
+            if p.dim() < 2:
+                if sub.group["reset_state"]:
+                    st.clear()
+            elif p.grad is None:
+                st.clear()  # chosen from a gradient: at its first step with one (assign)
+            else:
+                self._project(sub, p, st)
+
+    def _project(self, sub: Subspace, p: Tensor, st: dict) -> None:
+        rank = subspace.subset_size(sub.density, lowrank_dim(p.shape))
+        projection = subspace.make_projection(self.projection, p.grad, rank, sub.generator)
+        keep = (not sub.group["reset_state"] and "exp_avg" in st
+                and tuple(st["exp_avg"].shape) == lowrank_state_shape(p.shape, rank))
+        if not keep:
+            st.clear()
+        st["projection"] = projection
+
+    def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
+        st = sub.state[p]
+        if p.dim() < 2:
+            return DENSE.assign(sub, i, p)
+        if "projection" not in st:
+            self._project(sub, p, st)
+        rank = projection_rank(st["projection"], lowrank_side(p.shape))
+        ensure_moments(st, lowrank_state_shape(p.shape, rank), p.device)
+        return Assignment("lowrank", full_rank=rank == lowrank_dim(p.shape))
+
+    def fits(self, saved: dict, p: Tensor) -> bool:
+        if p.dim() < 2:
+            return "projection" not in saved and DENSE.fits(saved, p)
+        projection = saved.get("projection")
+        if projection is None or projection.dim() != 2:
+            return False
+        side = lowrank_side(p.shape)
+        rank = projection_rank(projection, side)
+        return (tuple(projection.shape) == projection_shapes(p.shape, rank, side)[0]
+                and tuple(saved["exp_avg"].shape) == lowrank_state_shape(p.shape, rank))
+
+
+DENSE = Dense()
+
+# One family per value of FRUGAL's ``projection`` (subspace.PROJECTIONS, in its order).
+FAMILIES: Dict[str, Projection] = {
+    "blocks": Blocks(),
+    "columns": CoordinateSubset("columns"),
+    "rows": CoordinateSubset("rows"),
+    "randk": CoordinateSubset("flat"),
+    "random": LowRank("random"),
+    "svd": LowRank("svd"),
+}
