@@ -7,7 +7,8 @@ same on every rank and device and is restored exactly from a checkpoint.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import contextlib
+from typing import Iterator, List, Tuple
 
 import torch
 from torch import Tensor
@@ -78,23 +79,42 @@ def choose_subset(dim: int, k: int, generator: torch.Generator, device: torch.de
     return ids.to(dtype=dtype, device=device)
 
 
+@contextlib.contextmanager
+def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """LAPACK's QR and SVD on the CPU give results that depend on the thread count (seen:
+    1.6e-7 apart for a QR, 1.3e-4 for an SVD, 1 vs 2 threads), which would make the subspace,
+    and so the whole run, depend on it. One thread makes them the same on every machine;
+    the factorizations run once per subspace change."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def make_projection(projection: str, grad: Tensor, rank: int,
                     generator: torch.Generator) -> Tensor:
     """A projection with orthonormal rows (RIGHT, [r, n]) or columns (LEFT, [m, r]), fp32.
 
     ``svd``: the top singular vectors of the current gradient (GaLore);
     ``random``: a random semi-orthogonal matrix (QR of a Gaussian matrix drawn
-    from ``generator`` on the CPU).
+    from ``generator`` on the CPU). Both are independent of the thread count.
     """
     m, n = matrix_shape(grad.shape)
     side = lowrank_side(grad.shape)
     if projection == "svd":
-        u, _, vh = torch.linalg.svd(grad.reshape(m, n).float(), full_matrices=False)
+        with _one_thread_on_cpu(grad.device):
+            u, _, vh = torch.linalg.svd(grad.reshape(m, n).float(), full_matrices=False)
         return (vh[:rank] if side == RIGHT else u[:, :rank]).contiguous()
     if projection == "random":
         dim = n if side == RIGHT else m
         gaussian = torch.randn(dim, rank, generator=generator, dtype=torch.float32)
-        q, r = torch.linalg.qr(gaussian)
+        with _one_thread_on_cpu(gaussian.device):
+            q, r = torch.linalg.qr(gaussian)
         # Fix the signs so that the distribution is uniform (Haar) over the
         # semi-orthogonal matrices, not biased by QR's convention.
         q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
