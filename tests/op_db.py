@@ -16,7 +16,7 @@ sizes where a sample says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -77,7 +77,7 @@ class ErrorInput:
 
 @dataclass(frozen=True)
 class OpInfo:
-    name: str                       # the op's name at every layer: ops.<name>, torch.ops.frugal.<name>
+    name: str                       # at every layer: ops.<name>, torch.ops.frugal.<name>
     op: Callable                    # the functional face, frugal_kernels.ops.<name>
     ref: Callable                   # the ground truth, frugal_kernels.reference.<name>
     outputs: Tuple[str, ...]        # the positional lists the op updates, by argument name ...
@@ -91,7 +91,7 @@ class OpInfo:
     counts_steps: bool = False      # takes ``step`` (the count after this update)
     tensor_scalar_sample: str = ""  # the sample that checks 0-dim tensor lr (and step)
     # Option sets every compiled-CPU sample also runs under, across ISA levels.
-    isa_variants: Tuple[dict, ...] = field(default_factory=lambda: ({},))
+    isa_variants: Tuple[dict, ...] = ({},)
 
     @property
     def qualname(self) -> str:
