@@ -7,17 +7,22 @@ from typing import Sequence
 import pytest
 import torch
 
-from frugal_kernels.ops import _dispatch
+from frugal_kernels.ops import CAPABILITIES, _dispatch
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The backends that can run on CPU tensors (cuda needs GPU tensors).
+CPU_TENSOR_BACKENDS = ("cpu", "triton", "torch")
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 def cpu_backends(op=None) -> list:
-    """Every backend that can run (``op``) on CPU tensors, as pytest params; one
-    that cannot run here is shown as skipped with the reason (CI installs all)."""
+    """Every backend that can run (``op``, as the capability table says) on CPU
+    tensors, as pytest params; one that cannot run here is shown as skipped with
+    the reason (CI installs all)."""
     params = []
-    for backend in ("cpu", "triton", "torch"):
+    for backend in CPU_TENSOR_BACKENDS:
+        if op is not None and backend not in CAPABILITIES[op]:
+            continue
         reason = _dispatch.unavailable_reason(backend, "cpu", op)
         marks = [pytest.mark.skip(reason=reason)] if reason else []
         params.append(pytest.param(backend, marks=marks, id=backend))
@@ -57,6 +62,14 @@ def assert_params_close(actual, expected, *, fp32_rel=1e-6, ulps=1, what="params
         else:
             u = ulp_diff(a, e)
             assert u <= ulps, f"{what}[{i}] ({a.dtype}): {u} ulps apart (allowed {ulps})"
+
+
+def assert_bits_close(actual, expected, *, fp32_ulps=0, ulps=1, what="params"):
+    """At most `fp32_ulps` (fp32) or `ulps` (16-bit) units in the last place apart."""
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        allowed = fp32_ulps if a.dtype == torch.float32 else ulps
+        u = ulp_diff(a, e)
+        assert u <= allowed, f"{what}[{i}] ({a.dtype}): {u} ulps apart (allowed {allowed})"
 
 
 def make_batch(shapes, dtype, seed=0, state_shapes=None):

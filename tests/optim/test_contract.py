@@ -1,4 +1,9 @@
-"""The torch.optim contract: checkpoints, schedulers, closures, groups, AMP."""
+"""The torch.optim contract: checkpoints, schedulers, closures, groups, AMP, compile.
+
+The generic tests run every entry of the optimizer table (tests/optim_db.py);
+the FRUGAL-specific ones (option checks, state dtypes, subsets of added groups)
+follow at the end.
+"""
 
 import io
 
@@ -7,29 +12,8 @@ import torch
 
 import frugal_kernels as fk
 
+from ..optim_db import OPTIMIZERS
 from .helpers import HYPER, grad_sequence, groups, make_params, run, set_grads
-
-ALL_PROJECTIONS = ["blocks", "columns", "rows", "randk", "random", "svd"]
-
-
-def _make(kind, projection, seed=0, reset_state=True):
-    proj, reg = make_params(seed=seed)
-    if kind == "FRUGAL":
-        opt = fk.FRUGAL(groups(proj, reg), density=0.3, update_gap=3, projection=projection,
-                        reset_state=reset_state, seed=5, **HYPER)
-    else:
-        opt = fk.AdaFRUGAL(groups(proj, reg), rho_start=0.5, rho_end=0.1, rho_steps=10,
-                           update_gap=2, update_gap_max=6, projection=projection,
-                           reset_state=reset_state, seed=5, **HYPER)
-    return opt, proj + reg
-
-
-def _steps(opt, params, seq, start=0):
-    for t, grads in enumerate(seq, start=start):
-        set_grads(params, grads)
-        opt.step()
-        if isinstance(opt, fk.AdaFRUGAL):
-            opt.observe_loss(1.0 + 0.001 * (t % 2))  # flat: T grows on the way
 
 
 def _roundtrip(sd):
@@ -39,38 +23,67 @@ def _roundtrip(sd):
     return torch.load(buf, weights_only=True)
 
 
-@pytest.mark.parametrize("kind", ["FRUGAL", "AdaFRUGAL"])
-@pytest.mark.parametrize("projection", ALL_PROJECTIONS)
-@pytest.mark.parametrize("reset_state", [True, False])
-def test_resume_is_bit_identical(kind, projection, reset_state):
-    n, m = 7, 8
-    full_opt, full_params = _make(kind, projection, reset_state=reset_state)
-    seq = grad_sequence(full_params, n + m, seed=9)
-    _steps(full_opt, full_params, seq)
+def _assert_same(a, b, where="state_dict"):
+    """Equal nested state: tensors bit for bit, everything else by ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
 
-    first, params = _make(kind, projection, reset_state=reset_state)
-    _steps(first, params, seq[:n])
+
+def _entries(predicate=lambda info: True):
+    return [pytest.param(info, id=info.name) for info in OPTIMIZERS if predicate(info)]
+
+
+def _with_variants():
+    return [pytest.param(info, options, id=f"{info.name}-{name}")
+            for info in OPTIMIZERS for name, options in info.variants.items()]
+
+
+def _with_misfits():
+    return [pytest.param(info, misfit, id=f"{info.name}-{misfit.name}")
+            for info in OPTIMIZERS for misfit in info.misfits]
+
+
+@pytest.mark.parametrize("info,options", _with_variants())
+def test_resume_is_bit_identical(info, options):
+    n, m = 7, 8
+    full_opt, full_params = info.build(**options)
+    seq = grad_sequence(full_params, n + m, seed=9)
+    info.train(full_opt, full_params, seq)
+
+    first, params = info.build(**options)
+    info.train(first, params, seq[:n])
     saved_params = [p.detach().clone() for p in params]
     sd = _roundtrip(first.state_dict())
     del first
 
-    resumed, params2 = _make(kind, projection, seed=123, reset_state=reset_state)
+    resumed, params2 = info.build(seed=123, **options)
     with torch.no_grad():
         for p, s in zip(params2, saved_params):
             p.copy_(s)
     resumed.load_state_dict(sd)
-    _steps(resumed, params2, seq[n:], start=n)
+    info.train(resumed, params2, seq[n:], start=n)
     for a, b in zip(params2, full_params):
         assert torch.equal(a, b)
-    assert resumed.history == full_opt.history
-    assert resumed.update_gap == full_opt.update_gap and resumed.rho == full_opt.rho
+    for name in info.resumed_attributes:
+        assert getattr(resumed, name) == getattr(full_opt, name), name
 
 
-def test_load_does_not_share_tensors_with_the_state_dict():
-    opt, params = _make("FRUGAL", "columns")
-    run(opt, params, grad_sequence(params, 2))
+@pytest.mark.parametrize("info", _entries())
+def test_load_does_not_share_tensors_with_the_state_dict(info):
+    opt, params = info.build()
+    info.train(opt, params, grad_sequence(params, 2))
     sd = opt.state_dict()
-    other, params2 = _make("FRUGAL", "columns")
+    other, _ = info.build()
     other.load_state_dict(sd)
     in_order = [p for g in other.param_groups for p in g["params"]]
     for pid, st in sd["state"].items():
@@ -78,6 +91,171 @@ def test_load_does_not_share_tensors_with_the_state_dict():
             if isinstance(value, torch.Tensor):
                 loaded = other.state[in_order[pid]][key]
                 assert loaded.data_ptr() != value.data_ptr()
+
+
+@pytest.mark.parametrize("info", _entries())
+def test_state_dict_holds_only_tensors_and_numbers_per_param(info):
+    opt, params = info.build()
+    info.train(opt, params, grad_sequence(params, 2))
+    for st in opt.state_dict()["state"].values():
+        for value in st.values():
+            assert isinstance(value, (torch.Tensor, int, float))
+
+
+@pytest.mark.parametrize("info,misfit", _with_misfits())
+def test_a_state_dict_that_does_not_fit_raises_and_changes_nothing(info, misfit):
+    opt, params = info.build()
+    info.train(opt, params, grad_sequence(params, 2))
+    sd = _roundtrip(opt.state_dict())
+    misfit.mutate(sd)
+    target, params2 = info.build()
+    info.train(target, params2, grad_sequence(params2, 1, seed=3))
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=misfit.message):
+        target.load_state_dict(sd)
+    _assert_same(target.state_dict(), before)
+
+
+@pytest.mark.parametrize("info", _entries())
+def test_lr_scheduler_drives_the_step(info):
+    seq = None
+    results = []
+    for use_scheduler in (True, False):
+        opt, params = info.build()
+        base_lrs = [g["lr"] for g in opt.param_groups]
+        seq = seq or grad_sequence(params, 6)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1) if use_scheduler \
+            else None
+        for t, grads in enumerate(seq):
+            if not use_scheduler:
+                for g, base in zip(opt.param_groups, base_lrs):
+                    g["lr"] = base * 0.1 ** (t // 2)
+            info.train(opt, params, [grads], start=t)
+            if sched:
+                sched.step()
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("info", _entries())
+def test_tensor_lr_equals_float_lr(info):
+    a_opt, a = info.build()
+    b_opt, b = info.build(lr=torch.tensor(HYPER["lr"], dtype=torch.float64))
+    seq = grad_sequence(a, 5)
+    info.train(a_opt, a, seq)
+    info.train(b_opt, b, seq)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("info", _entries())
+def test_closure_is_evaluated_with_grad_and_its_loss_returned(info):
+    opt, params = info.build()
+    before = [p.detach().clone() for p in params]
+
+    def closure():
+        opt.zero_grad()
+        loss = sum((p * 2).sum() for p in params)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        expected = sum((p * 2).sum() for p in before).item()
+    loss = opt.step(closure)
+    assert loss.item() == expected
+    for i, (p, b) in enumerate(zip(params, before)):
+        assert not torch.equal(p, b), f"param {i} did not move"
+
+
+@pytest.mark.parametrize("info", _entries())
+def test_grad_scaler_skips_steps_with_inf_and_unscales_the_rest(info):
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt, params = info.build()
+    plain, plain_params = info.build()
+    seq = grad_sequence(params, 4)
+    for t, grads in enumerate(seq):
+        scaler.scale(torch.ones(()))  # what scaling a loss would do: start the scale
+        if t == 2:
+            bad = [g.clone() for g in grads]
+            bad[0].view(-1)[0] = float("inf")
+            before = [p.detach().clone() for p in params]
+            history = list(getattr(opt, "history", []))
+            set_grads(params, [g * scaler.get_scale() for g in bad])
+            scaler.step(opt)
+            scaler.update()
+            assert all(torch.equal(p, b) for p, b in zip(params, before))
+            assert list(getattr(opt, "history", [])) == history
+        set_grads(params, [g * scaler.get_scale() for g in grads])
+        scaler.step(opt)
+        scaler.update()
+        if info.after_step is not None:
+            info.after_step(opt, t)
+        info.train(plain, plain_params, [grads], start=t)
+    for a, b in zip(params, plain_params):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("info", _entries(lambda info: info.compile_graphs is not None))
+def test_compiled_step_matches_eager_and_lr_changes_do_not_recompile(info):
+    from torch._dynamo.utils import counters
+
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        opt, params = info.build(**info.compile_options)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        step = torch.compile(opt.step) if compiled else opt.step
+        for t, grads in enumerate(grad_sequence(params, 8)):
+            set_grads(params, grads)
+            step()
+            sched.step()
+            if info.after_step is not None:
+                info.after_step(opt, t)
+        results.append([p.detach().clone() for p in params])
+        if compiled:
+            # the graphs of the update, kept through 8 lr values (and the subspace changes)
+            assert counters["stats"]["unique_graphs"] == info.compile_graphs
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("info", _entries())
+def test_add_param_group_steps_the_new_group(info):
+    opt, params = info.build()
+    info.train(opt, params, grad_sequence(params, 2))
+    extra = torch.nn.Parameter(torch.randn(12, 10, generator=torch.Generator().manual_seed(4)))
+    before = extra.detach().clone()
+    opt.add_param_group({"params": [extra]})
+    info.train(opt, params + [extra], grad_sequence(params + [extra], 1), start=2)
+    assert not torch.equal(extra, before)
+
+
+@pytest.mark.parametrize("idle", ["first", "last"])
+@pytest.mark.parametrize("info", _entries())
+def test_group_without_gradients_is_left_alone(info, idle):
+    """A group none of whose tensors has a gradient (unused, or added before its
+    first backward) is skipped; the groups with gradients step as usual."""
+    opt, _ = info.build()
+    idle_group = opt.param_groups[0 if idle == "first" else -1]
+    idle_params = list(idle_group["params"])
+    stepped = [p for g in opt.param_groups if g is not idle_group for p in g["params"]]
+    before_stepped = [p.detach().clone() for p in stepped]
+    before_idle = [p.detach().clone() for p in idle_params]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        for p in stepped:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    for i, (p, b) in enumerate(zip(stepped, before_stepped)):
+        assert not torch.equal(p, b), f"stepped param {i} did not move"
+    for p, b in zip(idle_params, before_idle):
+        assert torch.equal(p, b)
+        assert "exp_avg" not in opt.state[p]  # moments come with the first gradient
+
+
+# ---------------------------------------------------------------- FRUGAL-specific
 
 
 def test_state_keeps_its_dtypes_through_a_checkpoint():
@@ -92,88 +270,13 @@ def test_state_keeps_its_dtypes_through_a_checkpoint():
             assert st["indices"].dtype == torch.int32
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda sd: sd.pop("frugal"), "not saved by a FRUGAL optimizer"),
-    (lambda sd: sd["param_groups"].pop(), "1 param groups"),
-    (lambda sd: sd["param_groups"][1]["params"].pop(), "params but the state dict"),
-    (lambda sd: sd["param_groups"][1].update(projection="rows"), "projection is 'columns'"),
-    (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(3, 3),
-                                      exp_avg_sq=torch.zeros(3, 3)), "does not fit"),
-    (lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].double()),
-     "exp_avg has dtype"),
-    (lambda sd: sd["state"][0].update(projector="a Python object"), "unknown entry"),
-])
-def test_a_state_dict_that_does_not_fit_raises_and_changes_nothing(mutate, message):
-    opt, params = _make("FRUGAL", "columns")
-    run(opt, params, grad_sequence(params, 2))
-    sd = _roundtrip(opt.state_dict())
-    mutate(sd)
-    target, params2 = _make("FRUGAL", "columns")
-    run(target, params2, grad_sequence(params2, 1, seed=3))
-    before = target.state_dict()
-    with pytest.raises(ValueError, match=message):
-        target.load_state_dict(sd)
-    after = target.state_dict()
-    assert after["frugal"]["steps_taken"] == before["frugal"]["steps_taken"]
-    for pid in before["state"]:
-        for key, value in before["state"][pid].items():
-            assert torch.equal(after["state"][pid][key], value)
-
-
 def test_adafrugal_refuses_a_frugal_checkpoint():
-    opt, params = _make("FRUGAL", "blocks")
+    by_name = {info.name: info for info in OPTIMIZERS}
+    opt, params = by_name["FRUGAL-blocks"].build()
     run(opt, params, grad_sequence(params, 2))
-    ada, _ = _make("AdaFRUGAL", "blocks")
+    ada, _ = by_name["AdaFRUGAL-blocks"].build()
     with pytest.raises(ValueError, match="saved by FRUGAL, not AdaFRUGAL"):
         ada.load_state_dict(_roundtrip(opt.state_dict()))
-
-
-def test_lr_scheduler_drives_the_step():
-    seq = None
-    results = []
-    for use_scheduler in (True, False):
-        opt, params = _make("FRUGAL", "columns")
-        seq = seq or grad_sequence(params, 6)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1) if use_scheduler \
-            else None
-        for t, grads in enumerate(seq):
-            if not use_scheduler:
-                for g in opt.param_groups:
-                    g["lr"] = HYPER["lr"] * 0.1 ** (t // 2)
-            set_grads(params, grads)
-            opt.step()
-            if sched:
-                sched.step()
-        results.append([p.detach().clone() for p in params])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-
-
-def test_tensor_lr_equals_float_lr():
-    a_opt, a = _make("FRUGAL", "randk")
-    proj, reg = make_params()
-    b_opt = fk.FRUGAL(groups(proj, reg), density=0.3, update_gap=3, projection="randk", seed=5,
-                      **{**HYPER, "lr": torch.tensor(HYPER["lr"], dtype=torch.float64)})
-    seq = grad_sequence(a, 5)
-    run(a_opt, a, seq)
-    run(b_opt, proj + reg, seq)
-    for x, y in zip(a, proj + reg):
-        assert torch.equal(x, y)
-
-
-def test_closure_is_evaluated_with_grad_and_its_loss_returned():
-    w = torch.nn.Parameter(torch.ones(4, 4))
-    opt = fk.FRUGAL([{"params": [w]}], projection="columns", **HYPER)
-
-    def closure():
-        opt.zero_grad()
-        loss = (w * 2).sum()
-        loss.backward()
-        return loss
-
-    loss = opt.step(closure)
-    assert loss.item() == 32.0
-    assert not torch.equal(w, torch.ones(4, 4))
 
 
 def test_add_param_group_gets_a_subspace_at_its_next_step():
@@ -198,88 +301,3 @@ def test_constructor_rejects_bad_options(bad):
     proj, reg = make_params()
     with pytest.raises(ValueError):
         fk.FRUGAL(groups(proj, reg), **{**HYPER, **bad})
-
-
-def test_grad_scaler_skips_steps_with_inf_and_unscales_the_rest():
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    proj, reg = make_params()
-    params = proj + reg
-    opt = fk.FRUGAL(groups(proj, reg), projection="columns", update_gap=2, **HYPER)
-    plain_proj, plain_reg = make_params()
-    plain = fk.FRUGAL(groups(plain_proj, plain_reg), projection="columns", update_gap=2, **HYPER)
-    seq = grad_sequence(params, 4)
-    for t, grads in enumerate(seq):
-        scaler.scale(torch.ones(()))  # what scaling a loss would do: start the scale
-        if t == 2:
-            bad = [g.clone() for g in grads]
-            bad[0][0, 0] = float("inf")
-            before = [p.detach().clone() for p in params]
-            history = list(opt.history)
-            set_grads(params, [g * scaler.get_scale() for g in bad])
-            scaler.step(opt)
-            scaler.update()
-            assert all(torch.equal(p, b) for p, b in zip(params, before))
-            assert opt.history == history
-        set_grads(params, [g * scaler.get_scale() for g in grads])
-        scaler.step(opt)
-        scaler.update()
-        set_grads(plain_proj + plain_reg, grads)
-        plain.step()
-    for a, b in zip(params, plain_proj + plain_reg):
-        assert torch.allclose(a, b, rtol=0, atol=1e-6)
-
-
-def test_state_dict_holds_only_tensors_and_numbers_per_param():
-    for projection in ALL_PROJECTIONS:
-        opt, params = _make("FRUGAL", projection)
-        run(opt, params, grad_sequence(params, 2))
-        for st in opt.state_dict()["state"].values():
-            for value in st.values():
-                assert isinstance(value, (torch.Tensor, int, float)), projection
-
-
-@pytest.mark.parametrize("projection,update_gap", [("columns", 3), ("blocks", 100)])
-def test_compiled_step_matches_eager_and_lr_changes_do_not_recompile(projection, update_gap):
-    """Subspace changes of coordinate kinds keep the graph; with blocks the set
-    of tensors in each op call changes, which recompiles (docs/optimizers.md)."""
-    from torch._dynamo.utils import counters
-
-    results = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        proj, reg = make_params()
-        params = proj + reg
-        opt = fk.FRUGAL(groups(proj, reg), density=0.3, update_gap=update_gap,
-                        projection=projection, seed=5, **HYPER)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
-        step = torch.compile(opt.step) if compiled else opt.step
-        for grads in grad_sequence(params, 8):
-            set_grads(params, grads)
-            step()
-            sched.step()
-        results.append([p.detach().clone() for p in params])
-        if compiled:
-            # one graph for the update, kept through 8 lr values (and 3 subspace changes)
-            assert counters["stats"]["unique_graphs"] == 1
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("projection", ALL_PROJECTIONS)
-@pytest.mark.parametrize("first_has_grad", [True, False])
-def test_group_without_gradients_is_left_alone(projection, first_has_grad):
-    """A group none of whose tensors has a gradient (unused, or added before its
-    first backward) is skipped; the groups with gradients step as usual."""
-    a = torch.nn.Parameter(torch.randn(6, 5))
-    b = torch.nn.Parameter(torch.randn(5))
-    opt = fk.FRUGAL([{"params": [a]}, {"params": [b], "projected": False}], density=0.5,
-                    projection=projection, **HYPER)
-    stepped, idle = (a, b) if first_has_grad else (b, a)
-    before_stepped, before_idle = stepped.detach().clone(), idle.detach().clone()
-    for _ in range(3):
-        stepped.grad = torch.randn_like(stepped)
-        opt.step()
-    assert not torch.equal(stepped, before_stepped)
-    assert torch.equal(idle, before_idle)
-    assert "exp_avg" not in opt.state[idle]  # moments come with the first gradient

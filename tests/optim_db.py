@@ -1,0 +1,139 @@
+"""The optimizer table: one :class:`OptimizerInfo` per optimizer configuration,
+in the style of PyTorch's OptimizerInfo.
+
+An entry builds its own model (parameters, or a module for optimizers that take
+one, as BAdam will) and a fresh optimizer over it; the contract tests of
+tests/optim/test_contract.py run every entry (exact resume through
+``torch.load(weights_only=True)``, LR schedulers, closures, GradScaler,
+torch.compile, state dicts that do not fit, add_param_group, groups without
+gradients). BAdam and DQT join by adding entries to :data:`OPTIMIZERS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import frugal_kernels as fk
+from frugal_kernels.optim.subspace import PROJECTIONS
+
+from .optim.helpers import HYPER, groups, make_params, set_grads
+
+# What an optimizer is built from (param groups, named parameters or a module)
+# and the parameters it updates, in a fixed order for gradients and comparisons.
+Model = Tuple[Any, List[torch.nn.Parameter]]
+
+
+@dataclass(frozen=True)
+class Misfit:
+    """A change that makes a saved state dict not fit the optimizer: loading it
+    raises a ValueError matching ``message`` and changes nothing."""
+
+    name: str
+    mutate: Callable[[dict], Any]
+    message: str
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    name: str
+    make_model: Callable[[int], Model]                  # seed -> (inputs, params)
+    factory: Callable[..., torch.optim.Optimizer]       # factory(inputs, **options)
+    # Option sets the resume test runs under (name -> options).
+    variants: Dict[str, dict] = field(default_factory=lambda: {"default": {}})
+    # Called after each step of a training loop: the loss-aware schedules watch a loss.
+    after_step: Optional[Callable[[torch.optim.Optimizer, int], None]] = None
+    # Public attributes an exact resume must give back.
+    resumed_attributes: Tuple[str, ...] = ()
+    misfits: Tuple[Misfit, ...] = ()
+    # torch.compile of step(): the graphs it may make (None: not compiled here)
+    # and options that keep the graph count stable.
+    compile_graphs: Optional[int] = None
+    compile_options: dict = field(default_factory=dict)
+
+    def build(self, seed: int = 0, **options) -> Tuple[torch.optim.Optimizer, list]:
+        inputs, params = self.make_model(seed)
+        return self.factory(inputs, **options), params
+
+    def train(self, opt, params, grad_seq: Sequence[Sequence[torch.Tensor]], start: int = 0):
+        """One step per gradient list (with this entry's per-step hook)."""
+        for t, grads in enumerate(grad_seq, start=start):
+            set_grads(params, grads)
+            opt.step()
+            if self.after_step is not None:
+                self.after_step(opt, t)
+
+
+def _grouped_params(seed: int) -> Model:
+    proj, reg = make_params(seed=seed)
+    return groups(proj, reg), proj + reg
+
+
+def _frugal(projection: str):
+    def factory(inputs, **options):
+        return fk.FRUGAL(inputs, **{**HYPER, "density": 0.3, "update_gap": 3,
+                                    "projection": projection, "seed": 5, **options})
+    return factory
+
+
+def _adafrugal(projection: str):
+    def factory(inputs, **options):
+        return fk.AdaFRUGAL(inputs, **{**HYPER, "rho_start": 0.5, "rho_end": 0.1,
+                                       "rho_steps": 10, "update_gap": 2, "update_gap_max": 6,
+                                       "projection": projection, "seed": 5, **options})
+    return factory
+
+
+def _observe_flat_loss(opt, t: int) -> None:
+    opt.observe_loss(1.0 + 0.001 * (t % 2))  # flat: T grows on the way
+
+
+def _frugal_misfits(projection: str) -> Tuple[Misfit, ...]:
+    """State dicts of the FRUGAL family that do not fit (state[0] is a regular
+    parameter's AdamW state, which every projection keeps)."""
+    other = "rows" if projection != "rows" else "columns"
+    return (
+        Misfit("no frugal entry", lambda sd: sd.pop("frugal"), "not saved by a FRUGAL optimizer"),
+        Misfit("fewer groups", lambda sd: sd["param_groups"].pop(), "1 param groups"),
+        Misfit("fewer params", lambda sd: sd["param_groups"][1]["params"].pop(),
+               "params but the state dict"),
+        Misfit("other projection", lambda sd: sd["param_groups"][1].update(projection=other),
+               f"projection is '{projection}'"),
+        Misfit("state shape", lambda sd: sd["state"][0].update(exp_avg=torch.zeros(3, 3),
+                                                               exp_avg_sq=torch.zeros(3, 3)),
+               "does not fit"),
+        Misfit("state dtype",
+               lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].double()),
+               "exp_avg has dtype"),
+        Misfit("unknown entry", lambda sd: sd["state"][0].update(projector="a Python object"),
+               "unknown entry"),
+    )
+
+
+_RESET_VARIANTS = {"reset_state": {"reset_state": True}, "keep_state": {"reset_state": False}}
+_RESUMED = ("history", "update_gap", "rho")
+
+# torch.compile makes one graph of FRUGAL's step for every projection: subspace
+# changes of the coordinate and low-rank projections keep the graph; with blocks
+# the set of tensors in each op call changes, which recompiles
+# (docs/optimizers.md), so that entry compiles with changes too rare to happen.
+_COMPILE_OPTIONS = {"blocks": {"update_gap": 100}}
+
+OPTIMIZERS = (
+    *(OptimizerInfo(
+        name=f"FRUGAL-{projection}", make_model=_grouped_params, factory=_frugal(projection),
+        variants=_RESET_VARIANTS, resumed_attributes=_RESUMED,
+        misfits=_frugal_misfits(projection),
+        compile_graphs=1, compile_options=_COMPILE_OPTIONS.get(projection, {}),
+    ) for projection in PROJECTIONS),
+    *(OptimizerInfo(
+        name=f"AdaFRUGAL-{projection}", make_model=_grouped_params,
+        factory=_adafrugal(projection), variants=_RESET_VARIANTS, after_step=_observe_flat_loss,
+        resumed_attributes=_RESUMED, misfits=_frugal_misfits(projection),
+        # A shrinking density reshapes the moments: one more graph (a static
+        # rho keeps one). One projection is enough: the graphs are FRUGAL's.
+        compile_graphs=2 if projection == "columns" else None,
+    ) for projection in PROJECTIONS),
+)
