@@ -12,14 +12,17 @@ reports, so that they fail rather than silently stop covering it when a
 constant changes.
 """
 
+import contextlib
 import os
 import shutil
+import types
 
 import pytest
 import torch
 
 import frugal_kernels
 from frugal_kernels._layout import STATE_FREE_CODES, STATE_FREE_RULES
+from frugal_kernels.ops import adamw, frugal_step, sign_sgd
 from frugal_kernels.ops._common import kernel_batch, subset_batch
 
 from .cases import (_C, BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES, STEP, TILE,
@@ -253,6 +256,61 @@ def test_frugal_step_device_scalars(which):
     pointers.run_emulated(**by_pointer(which))
     for name in ("p", "m", "v"):
         assert_equal(name, getattr(pointers, name), getattr(values, name))
+
+
+# ------------------------------------------------- the ops' cuda glue
+
+class _EmulatedCuda:
+    """_C with every ``<op>_cuda`` entry point replaced by its emulation (the
+    stream dropped), so that the ops' cuda backends run on the host."""
+
+    def __getattr__(self, name):
+        if name.endswith("_cuda"):
+            emulated = getattr(_C, name + "_emulated")
+            return lambda *args: emulated(*args[:-1])
+        return getattr(_C, name)
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    fake = _EmulatedCuda()
+    for module in (adamw, sign_sgd, frugal_step):
+        monkeypatch.setattr(module, "extension", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: types.SimpleNamespace(cuda_stream=0))
+
+
+def _both(module, tensors, hyper):
+    """Run the op's cuda backend (emulated) and its cpu backend on copies of
+    ``tensors``; return both results."""
+    runs = []
+    for backend in (module._cuda, module._cpu):
+        t = type(tensors)(*([x.clone() for x in v] if isinstance(v, list) else v
+                            for v in tensors))
+        backend(t, hyper)
+        runs.append(t)
+    return runs
+
+
+def test_the_ops_cuda_backends_build_the_same_call_as_the_cpu_ones(emulated_cuda):
+    """ops.<op>._cuda: the hyper-parameter struct, DeviceScalars and batch it
+    builds drive the (emulated) kernels to the cpu backend's bits."""
+    lr, step = torch.tensor(LR), torch.tensor(STEP)
+    data = adamw_data([CHUNK + 3, 77], torch.bfloat16, seed=20)
+    got, want = _both(adamw, adamw.Tensors(*data),
+                      adamw.AdamWHyper(lr, BETA1, BETA2, EPS, WD, step, True))
+    for a, b in zip(got, want):
+        assert_equal("adamw_", a, b)
+    got, want = _both(sign_sgd, sign_sgd.Tensors(*sign_sgd_data([CHUNK + 3], torch.float16, 21)),
+                      sign_sgd.SignSgdHyper(lr, WD, 0.5))
+    assert_equal("sign_sgd_", got.params, want.params)
+    for kind, rule in (("rows", "sgd"), ("columns", "sign"), ("flat", "none")):
+        data = frugal_data(kind, FRUGAL_SHAPES[kind], torch.float32, torch.int32, seed=22)
+        got, want = _both(frugal_step, frugal_step.Tensors(*data, kind),
+                          frugal_step.FrugalHyper(lr, BETA1, BETA2, EPS, WD, step, rule, 0.5))
+        for a, b in zip(got[:3], want[:3]):
+            assert_equal(f"frugal_step_ {kind}", a, b)
 
 
 # ------------------------------------------------------------------ build
