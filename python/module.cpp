@@ -56,6 +56,10 @@ auto& member(T& t, M m, Ms... ms) {
   return member(t.*m, ms...);
 }
 
+// The codes an enum of the kernels has (csrc/include/frugal).
+bool valid_code(StateFree, int code) { return code >= 0 && code <= int(StateFree::kNone); }
+bool valid_code(SubsetKind, int code) { return code >= 0 && code <= int(SubsetKind::kColumns); }
+
 // A plain struct as a Python class built from keywords only, every field
 // required, read-only afterwards: a missing, unknown or mistyped
 // hyper-parameter is a TypeError, never a silent zero. Enums travel as their
@@ -106,7 +110,9 @@ class Record {
     Field f{name,
             [=](T& t, py::handle v) {
               if constexpr (std::is_enum_v<D>) {
-                member(t, path...) = D(v.cast<int>());
+                const int code = v.cast<int>();
+                if (!valid_code(D{}, code)) throw py::cast_error();
+                member(t, path...) = D(code);
               } else {
                 member(t, path...) = v.cast<D>();
               }
@@ -196,6 +202,9 @@ struct Subsets {
       : kind(SubsetKind(kind_code)), index_is_int32(int32),
         indices(as_pointers<const void*>(idx)), rows(std::move(r)), cols(std::move(c)),
         k(std::move(kk)) {
+    if (!valid_code(kind, kind_code)) {
+      throw py::value_error("SubsetBatch: unknown subset kind code " + std::to_string(kind_code));
+    }
     check_count("SubsetBatch rows", rows.size(), indices.size());
     check_count("SubsetBatch cols", cols.size(), indices.size());
     check_count("SubsetBatch k", k.size(), indices.size());

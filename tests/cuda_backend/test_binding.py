@@ -50,6 +50,9 @@ def test_structs_refuse_missing_unknown_and_mistyped_fields(record):
         struct(**values, momentum=0.9)
     with pytest.raises(TypeError, match="lr cannot be"):
         struct(**{**values, "lr": "0.1"})
+    if "state_free" in values:
+        with pytest.raises(TypeError, match="state_free cannot be 3"):
+            struct(**{**values, "state_free": 3})
 
 
 def test_a_record_becomes_its_struct_with_host_values_and_codes():
@@ -67,6 +70,8 @@ def test_batches_check_their_lengths():
         kernel_batch(_C, p, g, p, p[:1])
     with pytest.raises(ValueError, match="unknown dtype code 7"):
         _C.TensorBatch(dtype=7, numel=[3], params=[0], grads=[0])
+    with pytest.raises(ValueError, match="unknown subset kind code 2"):
+        _C.SubsetBatch(kind=2, index_is_int32=True, indices=[0], rows=[1], cols=[1], k=[0])
     hyper = _C.AdamWHyper(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1.0,
                           maximize=False)
     with pytest.raises(ValueError, match="exp_avgs: 0 entries for 2 tensors"):
