@@ -6,7 +6,7 @@ Layers (see DESIGN.md): ``frugal_kernels.ops`` holds the fused ops as
 """
 
 from frugal_kernels._version import __version__
-from frugal_kernels._extension import build_info
+from frugal_kernels._build_info import build_info
 from frugal_kernels import ops, reference
 from frugal_kernels.governor import Governor
 from frugal_kernels.optim import FRUGAL, AdaFRUGAL, param_groups

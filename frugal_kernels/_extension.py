@@ -45,16 +45,11 @@ def _select_cpu_isa_from_env() -> None:
 _select_cpu_isa_from_env()
 
 
-def build_info() -> dict:
-    """What was built and what can run now.
-
-    Returns a dict with the package version, whether the compiled extension
+def extension_info() -> dict:
+    """What was built: the package version, whether the compiled extension
     loaded (and why not), the CPU ISA levels compiled and the one in use,
     OpenMP, whether CUDA kernels were built with their architectures and the
-    nvcc version, and the backends usable right now on CPU and CUDA tensors.
-    """
-    from frugal_kernels.ops import _dispatch
-
+    nvcc version. ``frugal_kernels.build_info()`` adds the usable backends."""
     info: dict = {
         "version": __version__,
         "extension": _C is not None,
@@ -71,8 +66,4 @@ def build_info() -> dict:
     if _C is not None:
         info.update(_C.build_info())
         info["cpu_isa"] = _C.cpu_isa_active()
-    info["backends"] = {
-        "cpu": _dispatch.usable_backends("cpu"),
-        "cuda": _dispatch.usable_backends("cuda"),
-    }
     return info

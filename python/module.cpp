@@ -1,11 +1,22 @@
 // frugal_kernels._C: the thin binding. Tensors arrive as raw addresses and
 // sizes, already validated by frugal_kernels.ops; this file only converts
 // Python values into the kernels' argument structs and releases the GIL.
+//
+// Every entry point takes the same three things: the tensors (a TensorBatch,
+// with a SubsetBatch or the back-projections where the op has them), the op's
+// hyper-parameter struct, and the backend's own scalars (the CPU's thread
+// count; the CUDA kernels' DeviceScalars and stream). A hyper-parameter is
+// named once here, where its struct is bound; frugal_kernels.ops builds the
+// struct from its record of the same name.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../csrc/cpu/kernels.h"
@@ -19,53 +30,201 @@ namespace {
 using Addresses = std::vector<uintptr_t>;
 using Sizes = std::vector<int64_t>;
 
-// Owns the pointer arrays a TensorBatch / SubsetBatch point into.
+template <typename P>
+std::vector<P> as_pointers(const Addresses& addresses) {
+  std::vector<P> out;
+  out.reserve(addresses.size());
+  for (uintptr_t a : addresses) out.push_back(reinterpret_cast<P>(a));
+  return out;
+}
+
+void check_count(const std::string& what, size_t got, size_t want) {
+  if (got != want) {
+    throw py::value_error(what + ": " + std::to_string(got) + " entries for " +
+                          std::to_string(want) + " tensors");
+  }
+}
+
+// The field a path of member pointers leads to: member(h, &FrugalHyper::adamw,
+// &AdamWHyper::lr) is h.adamw.lr.
+template <typename T, typename M>
+auto& member(T& t, M m) {
+  return t.*m;
+}
+template <typename T, typename M, typename... Ms>
+auto& member(T& t, M m, Ms... ms) {
+  return member(t.*m, ms...);
+}
+
+// The codes an enum of the kernels has (csrc/include/frugal).
+bool valid_code(StateFree, int code) { return code >= 0 && code <= int(StateFree::kNone); }
+bool valid_code(SubsetKind, int code) { return code >= 0 && code <= int(SubsetKind::kColumns); }
+
+// A plain struct as a Python class built from keywords only, every field
+// required, read-only afterwards: a missing, unknown or mistyped
+// hyper-parameter is a TypeError, never a silent zero. Enums travel as their
+// int codes (frugal_kernels._layout holds the Python side of each code).
+template <typename T>
+class Record {
+ public:
+  Record(py::module_& m, const char* name)
+      : cls_(m, name), fields_(std::make_shared<std::vector<Field>>()) {
+    // The constructor and repr read fields_ when called, so they see every
+    // field declared after this.
+    const auto fields = fields_;
+    const std::string type = name;
+    cls_.def(py::init([fields, type](const py::kwargs& kw) {
+      T value{};
+      for (const Field& f : *fields) {
+        if (!kw.contains(f.name)) {
+          throw py::type_error(type + "() is missing the keyword argument '" + f.name + "'");
+        }
+        try {
+          f.set(value, kw[f.name.c_str()]);
+        } catch (const py::cast_error&) {
+          throw py::type_error(type + "(): " + f.name + " cannot be " +
+                               std::string(py::repr(kw[f.name.c_str()])));
+        }
+      }
+      for (const auto& item : kw) {
+        const std::string key = py::str(item.first);
+        bool known = false;
+        for (const Field& f : *fields) known = known || f.name == key;
+        if (!known) throw py::type_error(type + "() got an unexpected keyword argument '" + key + "'");
+      }
+      return value;
+    }));
+    cls_.def("__repr__", [fields, type](const T& value) {
+      std::string out = type + "(";
+      for (size_t i = 0; i < fields->size(); ++i) {
+        const Field& f = (*fields)[i];
+        out += (i ? ", " : "") + f.name + "=" + std::string(py::repr(f.get(value)));
+      }
+      return out + ")";
+    });
+  }
+
+  template <typename... Path>
+  Record& field(const char* name, Path... path) {
+    using D = std::decay_t<decltype(member(std::declval<T&>(), path...))>;
+    Field f{name,
+            [=](T& t, py::handle v) {
+              if constexpr (std::is_enum_v<D>) {
+                const int code = v.cast<int>();
+                if (!valid_code(D{}, code)) throw py::cast_error();
+                member(t, path...) = D(code);
+              } else {
+                member(t, path...) = v.cast<D>();
+              }
+            },
+            [=](const T& t) -> py::object {
+              if constexpr (std::is_enum_v<D>) {
+                return py::int_(int(member(t, path...)));
+              } else {
+                return py::cast(member(t, path...));
+              }
+            }};
+    cls_.def_property_readonly(name, f.get);
+    fields_->push_back(std::move(f));
+    return *this;
+  }
+
+ private:
+  struct Field {
+    std::string name;
+    std::function<void(T&, py::handle)> set;
+    std::function<py::object(const T&)> get;
+  };
+
+  py::class_<T> cls_;
+  std::shared_ptr<std::vector<Field>> fields_;
+};
+
+// AdamW's hyper-parameters but maximize, reached through `path` (none for
+// AdamWHyper itself): frugal_step_ shares them.
+template <typename T, typename... Path>
+Record<T>& adamw_fields(Record<T>& r, Path... path) {
+  return r.field("lr", path..., &AdamWHyper::lr)
+      .field("beta1", path..., &AdamWHyper::beta1)
+      .field("beta2", path..., &AdamWHyper::beta2)
+      .field("eps", path..., &AdamWHyper::eps)
+      .field("weight_decay", path..., &AdamWHyper::weight_decay)
+      .field("step", path..., &AdamWHyper::step);
+}
+
+// The tensors of one call: same-dtype tensors by address and size. Owns the
+// pointer arrays the kernels' TensorBatch points into.
 struct Batch {
+  DType dtype;
+  Sizes numel;
   std::vector<void*> params;
   std::vector<const void*> grads;
   std::vector<float*> exp_avgs;
   std::vector<float*> exp_avg_sqs;
-  Sizes numel;
 
-  Batch(const Addresses& p, const Addresses& g, const Addresses& m, const Addresses& v, Sizes n)
-      : numel(std::move(n)) {
-    for (uintptr_t a : p) params.push_back(reinterpret_cast<void*>(a));
-    for (uintptr_t a : g) grads.push_back(reinterpret_cast<const void*>(a));
-    for (uintptr_t a : m) exp_avgs.push_back(reinterpret_cast<float*>(a));
-    for (uintptr_t a : v) exp_avg_sqs.push_back(reinterpret_cast<float*>(a));
+  Batch(int dtype_code, Sizes n, const Addresses& p, const Addresses& g, const Addresses& m,
+        const Addresses& v)
+      : dtype(DType(dtype_code)), numel(std::move(n)), params(as_pointers<void*>(p)),
+        grads(as_pointers<const void*>(g)), exp_avgs(as_pointers<float*>(m)),
+        exp_avg_sqs(as_pointers<float*>(v)) {
+    if (dtype_code < 0 || dtype_code > int(DType::kFloat16)) {
+      throw py::value_error("TensorBatch: unknown dtype code " + std::to_string(dtype_code));
+    }
+    check_count("TensorBatch params", params.size(), numel.size());
+    check_count("TensorBatch grads", grads.size(), numel.size());
+    if (!exp_avgs.empty() || !exp_avg_sqs.empty()) {
+      check_count("TensorBatch exp_avgs", exp_avgs.size(), numel.size());
+      check_count("TensorBatch exp_avg_sqs", exp_avg_sqs.size(), numel.size());
+    }
   }
 
   cpu::TensorBatch view() const {
     return cpu::TensorBatch{int64_t(numel.size()), params.data(), grads.data(),
                             exp_avgs.data(), exp_avg_sqs.data(), numel.data()};
   }
+
+  // The view for an op that updates the moments, which must then be given
+  // (empty lists would hand the kernel null pointers).
+  cpu::TensorBatch view_with_moments() const {
+    check_count("TensorBatch exp_avgs", exp_avgs.size(), numel.size());
+    return view();
+  }
 };
 
+// The state-full subsets of a frugal_step_ call, one per tensor of its batch.
 struct Subsets {
+  SubsetKind kind;
+  bool index_is_int32;
   std::vector<const void*> indices;
   Sizes rows, cols, k;
-  SubsetKind kind;
-  bool int32;
 
-  Subsets(const Addresses& idx, Sizes r, Sizes c, Sizes kk, int kind_code, bool index_is_int32)
-      : rows(std::move(r)), cols(std::move(c)), k(std::move(kk)),
-        kind(SubsetKind(kind_code)), int32(index_is_int32) {
-    for (uintptr_t a : idx) indices.push_back(reinterpret_cast<const void*>(a));
+  Subsets(int kind_code, bool int32, const Addresses& idx, Sizes r, Sizes c, Sizes kk)
+      : kind(SubsetKind(kind_code)), index_is_int32(int32),
+        indices(as_pointers<const void*>(idx)), rows(std::move(r)), cols(std::move(c)),
+        k(std::move(kk)) {
+    if (!valid_code(kind, kind_code)) {
+      throw py::value_error("SubsetBatch: unknown subset kind code " + std::to_string(kind_code));
+    }
+    check_count("SubsetBatch rows", rows.size(), indices.size());
+    check_count("SubsetBatch cols", cols.size(), indices.size());
+    check_count("SubsetBatch k", k.size(), indices.size());
   }
 
-  cpu::SubsetBatch view() const {
-    return cpu::SubsetBatch{kind, int32, indices.data(), rows.data(), cols.data(), k.data()};
+  cpu::SubsetBatch view(const Batch& b) const {
+    check_count("SubsetBatch indices", indices.size(), b.numel.size());
+    return cpu::SubsetBatch{kind, index_is_int32, indices.data(), rows.data(), cols.data(),
+                            k.data()};
   }
 };
 
-AdamWHyper hyper(double lr, double beta1, double beta2, double eps, double wd, double step,
-                 bool maximize) {
-  return AdamWHyper{lr, beta1, beta2, eps, wd, step, maximize};
-}
-
-cuda::DeviceScalars device_scalars(uintptr_t lr_ptr, uintptr_t step_ptr) {
-  return cuda::DeviceScalars{reinterpret_cast<const float*>(lr_ptr),
-                             reinterpret_cast<const float*>(step_ptr)};
+py::dict as_dict(const cuda::LaunchLimits& l) {
+  py::dict d;
+  d["threads"] = l.threads;
+  d["chunk"] = l.chunk;
+  if (l.tile != 0) d["tile"] = l.tile;
+  d["max_tensors"] = l.max_tensors;
+  d["max_blocks"] = l.max_blocks;
+  return d;
 }
 
 py::dict build_info() {
@@ -97,121 +256,128 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info);
   m.def("cpu_isa_active", [] { return std::string(cpu::isa_level_active()); });
   m.def("cpu_select_isa", [](const std::string& name) { return cpu::select_isa_level(name.c_str()); });
+  m.def("cuda_limits", [] {
+    py::dict d;
+    d["adamw"] = as_dict(cuda::adamw_limits());
+    d["sign_sgd"] = as_dict(cuda::sign_sgd_limits());
+    d["frugal_step"] = as_dict(cuda::frugal_step_limits());
+    return d;
+  }, "The launch constants of the CUDA kernels (the emulated ones too, so in every build).");
 
-  m.def("adamw_cpu",
-        [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
-           Sizes numel, int dtype, double lr, double beta1, double beta2, double eps, double wd,
-           double step, bool maximize, int num_threads) {
-          const Batch b(p, g, em, ev, std::move(numel));
-          py::gil_scoped_release nogil;
-          cpu::adamw(b.view(), DType(dtype), hyper(lr, beta1, beta2, eps, wd, step, maximize),
-                     num_threads);
-        });
+  // ------------------------------------------------------------ arguments
 
-  m.def("sign_sgd_cpu",
-        [](const Addresses& p, const Addresses& g, Sizes numel, int dtype, double lr, double wd,
-           double scale, int num_threads) {
-          const Batch b(p, g, {}, {}, std::move(numel));
-          py::gil_scoped_release nogil;
-          cpu::sign_sgd(b.view(), DType(dtype), lr, wd, scale, num_threads);
-        });
+  py::class_<Batch>(m, "TensorBatch")
+      .def(py::init<int, Sizes, const Addresses&, const Addresses&, const Addresses&,
+                    const Addresses&>(),
+           py::kw_only(), py::arg("dtype"), py::arg("numel"), py::arg("params"), py::arg("grads"),
+           py::arg("exp_avgs") = Addresses{}, py::arg("exp_avg_sqs") = Addresses{});
+  py::class_<Subsets>(m, "SubsetBatch")
+      .def(py::init<int, bool, const Addresses&, Sizes, Sizes, Sizes>(), py::kw_only(),
+           py::arg("kind"), py::arg("index_is_int32"), py::arg("indices"), py::arg("rows"),
+           py::arg("cols"), py::arg("k"));
+  // lr / step: addresses of float32 values the kernel reads (device memory
+  // for the real kernels, host memory for the emulated ones); 0: use the
+  // value in the hyper-parameter struct.
+  py::class_<cuda::DeviceScalars>(m, "DeviceScalars")
+      .def(py::init([](uintptr_t lr, uintptr_t step) {
+             return cuda::DeviceScalars{reinterpret_cast<const float*>(lr),
+                                        reinterpret_cast<const float*>(step)};
+           }),
+           py::kw_only(), py::arg("lr") = 0, py::arg("step") = 0);
 
+  Record<AdamWHyper> adamw_hyper(m, "AdamWHyper");
+  adamw_fields(adamw_hyper).field("maximize", &AdamWHyper::maximize);
+  Record<SignSgdHyper>(m, "SignSgdHyper")
+      .field("lr", &SignSgdHyper::lr)
+      .field("weight_decay", &SignSgdHyper::weight_decay)
+      .field("scale", &SignSgdHyper::scale);
+  Record<FrugalHyper> frugal_hyper(m, "FrugalHyper");
+  adamw_fields(frugal_hyper, &FrugalHyper::adamw)
+      .field("state_free", &FrugalHyper::state_free)
+      .field("state_free_scale", &FrugalHyper::state_free_scale);
+  Record<LowrankHyper>(m, "LowrankHyper")
+      .field("lr", &LowrankHyper::lr)
+      .field("weight_decay", &LowrankHyper::weight_decay)
+      .field("state_free", &LowrankHyper::state_free)
+      .field("state_free_scale", &LowrankHyper::state_free_scale);
+
+  // ------------------------------------------------------------------ cpu
+
+  m.def("adamw_cpu", [](const Batch& b, const AdamWHyper& h, int num_threads) {
+    const cpu::TensorBatch t = b.view_with_moments();
+    py::gil_scoped_release nogil;
+    cpu::adamw(t, b.dtype, h, num_threads);
+  });
+  m.def("sign_sgd_cpu", [](const Batch& b, const SignSgdHyper& h, int num_threads) {
+    const cpu::TensorBatch t = b.view();
+    py::gil_scoped_release nogil;
+    cpu::sign_sgd(t, b.dtype, h, num_threads);
+  });
   m.def("frugal_step_cpu",
-        [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
-           Sizes numel, const Addresses& idx, Sizes rows, Sizes cols, Sizes k, int kind,
-           bool index_is_int32, int dtype, double lr, double beta1, double beta2, double eps,
-           double wd, double step, double state_free_scale, int mode, int num_threads) {
-          const Batch b(p, g, em, ev, std::move(numel));
-          const Subsets s(idx, std::move(rows), std::move(cols), std::move(k), kind, index_is_int32);
+        [](const Batch& b, const Subsets& s, const FrugalHyper& h, int num_threads) {
+          const cpu::TensorBatch t = b.view_with_moments();
+          const cpu::SubsetBatch sub = s.view(b);
           py::gil_scoped_release nogil;
-          cpu::frugal_step(b.view(), s.view(), DType(dtype),
-                           hyper(lr, beta1, beta2, eps, wd, step, false), state_free_scale,
-                           StateFree(mode), num_threads);
+          cpu::frugal_step(t, sub, b.dtype, h, num_threads);
         });
+  // up_updates / up_grads: the fp32 back-projections, one per tensor.
+  m.def("lowrank_step_cpu", [](const Batch& b, const Addresses& up_updates,
+                               const Addresses& up_grads, const LowrankHyper& h, int num_threads) {
+    const cpu::TensorBatch t = b.view();
+    check_count("lowrank_step_cpu up_updates", up_updates.size(), b.numel.size());
+    check_count("lowrank_step_cpu up_grads", up_grads.size(), b.numel.size());
+    const auto uu = as_pointers<const float*>(up_updates);
+    const auto ug = as_pointers<const float*>(up_grads);
+    py::gil_scoped_release nogil;
+    cpu::lowrank_step(t, uu.data(), ug.data(), b.dtype, h, num_threads);
+  });
 
-  m.def("lowrank_step_cpu",
-        [](const Addresses& p, const Addresses& g, const Addresses& up_updates,
-           const Addresses& up_grads, Sizes numel, int dtype, double lr, double wd, double scale,
-           int mode, int num_threads) {
-          const Batch b(p, g, {}, {}, std::move(numel));
-          std::vector<const float*> uu, ug;
-          for (uintptr_t a : up_updates) uu.push_back(reinterpret_cast<const float*>(a));
-          for (uintptr_t a : up_grads) ug.push_back(reinterpret_cast<const float*>(a));
-          py::gil_scoped_release nogil;
-          cpu::lowrank_step(b.view(), uu.data(), ug.data(), DType(dtype), lr, wd, scale,
-                            StateFree(mode), num_threads);
-        });
+  // --------------------------------------------------------- cuda_emulated
+  // The CUDA kernels run on the host, for tests: the arguments of the *_cuda
+  // functions without the stream, DeviceScalars holding host addresses. Each
+  // returns the number of launches made.
 
-  // The CUDA kernels emulated on the host, for tests: the arguments of the
-  // *_cuda functions without the stream; lr_ptr / step_ptr are host
-  // addresses of float32 values (0: use lr / step). Each returns the number
-  // of launches made.
   m.def("adamw_cuda_emulated",
-        [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
-           Sizes numel, int dtype, double lr, double beta1, double beta2, double eps, double wd,
-           double step, bool maximize, uintptr_t lr_ptr, uintptr_t step_ptr) {
-          const Batch b(p, g, em, ev, std::move(numel));
+        [](const Batch& b, const AdamWHyper& h, const cuda::DeviceScalars& d) {
+          const cpu::TensorBatch t = b.view_with_moments();
           py::gil_scoped_release nogil;
-          return cuda_emulated::adamw(b.view(), DType(dtype),
-                                      hyper(lr, beta1, beta2, eps, wd, step, maximize),
-                                      device_scalars(lr_ptr, step_ptr));
+          return cuda_emulated::adamw(t, b.dtype, h, d);
         });
-
   m.def("sign_sgd_cuda_emulated",
-        [](const Addresses& p, const Addresses& g, Sizes numel, int dtype, double lr, double wd,
-           double scale, uintptr_t lr_ptr) {
-          const Batch b(p, g, {}, {}, std::move(numel));
+        [](const Batch& b, const SignSgdHyper& h, const cuda::DeviceScalars& d) {
+          const cpu::TensorBatch t = b.view();
           py::gil_scoped_release nogil;
-          return cuda_emulated::sign_sgd(b.view(), DType(dtype), lr, wd, scale,
-                                         device_scalars(lr_ptr, 0));
+          return cuda_emulated::sign_sgd(t, b.dtype, h, d);
         });
-
   m.def("frugal_step_cuda_emulated",
-        [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
-           Sizes numel, const Addresses& idx, Sizes rows, Sizes cols, Sizes k, int kind,
-           bool index_is_int32, int dtype, double lr, double beta1, double beta2, double eps,
-           double wd, double step, double state_free_scale, int mode, uintptr_t lr_ptr,
-           uintptr_t step_ptr) {
-          const Batch b(p, g, em, ev, std::move(numel));
-          const Subsets s(idx, std::move(rows), std::move(cols), std::move(k), kind, index_is_int32);
+        [](const Batch& b, const Subsets& s, const FrugalHyper& h, const cuda::DeviceScalars& d) {
+          const cpu::TensorBatch t = b.view_with_moments();
+          const cpu::SubsetBatch sub = s.view(b);
           py::gil_scoped_release nogil;
-          return cuda_emulated::frugal_step(b.view(), s.view(), DType(dtype),
-                                            hyper(lr, beta1, beta2, eps, wd, step, false),
-                                            state_free_scale, StateFree(mode),
-                                            device_scalars(lr_ptr, step_ptr));
+          return cuda_emulated::frugal_step(t, sub, b.dtype, h, d);
         });
 
 #ifdef FK_WITH_CUDA
-  m.def("adamw_cuda",
-        [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
-           Sizes numel, int dtype, double lr, double beta1, double beta2, double eps, double wd,
-           double step, bool maximize, uintptr_t lr_ptr, uintptr_t step_ptr, uintptr_t stream) {
-          const Batch b(p, g, em, ev, std::move(numel));
-          py::gil_scoped_release nogil;
-          cuda::adamw(b.view(), DType(dtype), hyper(lr, beta1, beta2, eps, wd, step, maximize),
-                      device_scalars(lr_ptr, step_ptr), stream);
-        });
+  // ----------------------------------------------------------------- cuda
 
-  m.def("sign_sgd_cuda",
-        [](const Addresses& p, const Addresses& g, Sizes numel, int dtype, double lr, double wd,
-           double scale, uintptr_t lr_ptr, uintptr_t stream) {
-          const Batch b(p, g, {}, {}, std::move(numel));
-          py::gil_scoped_release nogil;
-          cuda::sign_sgd(b.view(), DType(dtype), lr, wd, scale, device_scalars(lr_ptr, 0), stream);
-        });
-
-  m.def("frugal_step_cuda",
-        [](const Addresses& p, const Addresses& g, const Addresses& em, const Addresses& ev,
-           Sizes numel, const Addresses& idx, Sizes rows, Sizes cols, Sizes k, int kind,
-           bool index_is_int32, int dtype, double lr, double beta1, double beta2, double eps,
-           double wd, double step, double state_free_scale, int mode, uintptr_t lr_ptr,
-           uintptr_t step_ptr, uintptr_t stream) {
-          const Batch b(p, g, em, ev, std::move(numel));
-          const Subsets s(idx, std::move(rows), std::move(cols), std::move(k), kind, index_is_int32);
-          py::gil_scoped_release nogil;
-          cuda::frugal_step(b.view(), s.view(), DType(dtype),
-                            hyper(lr, beta1, beta2, eps, wd, step, false), state_free_scale,
-                            StateFree(mode), device_scalars(lr_ptr, step_ptr), stream);
-        });
+  m.def("adamw_cuda", [](const Batch& b, const AdamWHyper& h, const cuda::DeviceScalars& d,
+                         uintptr_t stream) {
+    const cpu::TensorBatch t = b.view_with_moments();
+    py::gil_scoped_release nogil;
+    cuda::adamw(t, b.dtype, h, d, stream);
+  });
+  m.def("sign_sgd_cuda", [](const Batch& b, const SignSgdHyper& h, const cuda::DeviceScalars& d,
+                            uintptr_t stream) {
+    const cpu::TensorBatch t = b.view();
+    py::gil_scoped_release nogil;
+    cuda::sign_sgd(t, b.dtype, h, d, stream);
+  });
+  m.def("frugal_step_cuda", [](const Batch& b, const Subsets& s, const FrugalHyper& h,
+                               const cuda::DeviceScalars& d, uintptr_t stream) {
+    const cpu::TensorBatch t = b.view_with_moments();
+    const cpu::SubsetBatch sub = s.view(b);
+    py::gil_scoped_release nogil;
+    cuda::frugal_step(t, sub, b.dtype, h, d, stream);
+  });
 #endif
 }

@@ -104,21 +104,19 @@ void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threa
   active().adamw(t, dtype, adamw_scalars(h), num_threads);
 }
 
-void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
-              int num_threads) {
-  active().sign_sgd(t, dtype, sign_scalars(lr, weight_decay, scale), num_threads);
+void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, int num_threads) {
+  active().sign_sgd(t, dtype, sign_scalars(h.lr, h.weight_decay, h.scale), num_threads);
 }
 
-void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
-                 double state_free_scale, StateFree mode, int num_threads) {
-  const FrugalScalars s{adamw_scalars(h), sign_scalars(h.lr, h.weight_decay, state_free_scale), mode};
-  active().frugal_step(t, sub, dtype, s, num_threads);
+void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
+                 int num_threads) {
+  active().frugal_step(t, sub, dtype, frugal_scalars(h), num_threads);
 }
 
 void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,
-                  DType dtype, double lr, double weight_decay, double scale, StateFree mode,
-                  int num_threads) {
-  active().lowrank_step(t, up_updates, up_grads, dtype, sign_scalars(lr, weight_decay, scale), mode,
+                  DType dtype, const LowrankHyper& h, int num_threads) {
+  active().lowrank_step(t, up_updates, up_grads, dtype,
+                        sign_scalars(h.lr, h.weight_decay, h.state_free_scale), h.state_free,
                         num_threads);
 }
 

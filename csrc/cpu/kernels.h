@@ -37,6 +37,12 @@ struct FrugalScalars {
   StateFree mode;
 };
 
+FK_HOST_DEVICE FrugalScalars frugal_scalars(const FrugalHyper& h) {
+  return FrugalScalars{adamw_scalars(h.adamw),
+                       sign_scalars(h.adamw.lr, h.adamw.weight_decay, h.state_free_scale),
+                       h.state_free};
+}
+
 #define FK_DECLARE_CPU_KERNELS(ns)                                                            \
   namespace ns {                                                                              \
   void adamw(const TensorBatch& t, DType dtype, const AdamWScalars& s, int num_threads);      \
@@ -65,15 +71,13 @@ bool select_isa_level(const char* name);
 bool openmp_enabled();
 
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threads);
-void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
-              int num_threads);
-void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
-                 double state_free_scale, StateFree mode, int num_threads);
+void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, int num_threads);
+void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
+                 int num_threads);
 // The elementwise part of a low-rank FRUGAL step (the GEMMs run in torch):
 // p = (p * decay - lr * scale * rule(g - up_grad)) + up_update, fp32 buffers.
 void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,
-                  DType dtype, double lr, double weight_decay, double scale, StateFree mode,
-                  int num_threads);
+                  DType dtype, const LowrankHyper& h, int num_threads);
 
 }  // namespace cpu
 }  // namespace frugal

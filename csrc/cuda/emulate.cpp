@@ -44,9 +44,9 @@ int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
   return launches;
 }
 
-int64_t sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,
                  const cuda::DeviceScalars& d) {
-  const cuda::SignSgdArgs args = cuda::sign_sgd_args(lr, weight_decay, scale, d);
+  const cuda::SignSgdArgs args = cuda::sign_sgd_args(h, d);
   int64_t launches = 0;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -61,9 +61,9 @@ int64_t sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_dec
   return launches;
 }
 
-int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
-                    double state_free_scale, StateFree mode, const cuda::DeviceScalars& d) {
-  const cuda::FrugalArgs args = cuda::frugal_args(sub, h, state_free_scale, mode, d);
+int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
+                    const cuda::DeviceScalars& d) {
+  const cuda::FrugalArgs args = cuda::frugal_args(sub, h, d);
   int64_t launches = 0;
   const auto run = [&](auto tag, auto index, auto mode_tag) {
     using Block = cuda::FrugalBlock<decltype(tag), decltype(index), decltype(mode_tag)::value>;
@@ -79,7 +79,7 @@ int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, c
       }
     });
   };
-  cuda::with_frugal_types(dtype, sub.index_is_int32, mode, run);
+  cuda::with_frugal_types(dtype, sub.index_is_int32, h.state_free, run);
   return launches;
 }
 

@@ -24,11 +24,10 @@ __global__ void __launch_bounds__(kFrugalThreads, 4) frugal_step_kernel(const Fr
 
 }  // namespace
 
-void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
-                 double state_free_scale, StateFree mode, const DeviceScalars& d,
-                 uintptr_t stream) {
-  const FrugalArgs args = frugal_args(sub, h, state_free_scale, mode, d);
-  with_frugal_types(dtype, sub.index_is_int32, mode, [&](auto tag, auto index, auto mode_tag) {
+void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
+                 const DeviceScalars& d, uintptr_t stream) {
+  const FrugalArgs args = frugal_args(sub, h, d);
+  with_frugal_types(dtype, sub.index_is_int32, h.state_free, [&](auto tag, auto index, auto mode_tag) {
     using T = decltype(tag);
     using Index = decltype(index);
     plan_frugal_step(t, sub, [&](const FrugalMeta& meta, int blocks) {

@@ -50,18 +50,14 @@ struct FrugalArgs {
 static_assert(sizeof(FrugalMeta) + sizeof(FrugalArgs) <= kMaxParamBytes,
               "frugal_step_ kernel parameters exceed 4 KB");
 
-inline FrugalArgs frugal_args(const SubsetBatch& sub, const AdamWHyper& h, double state_free_scale,
-                              StateFree mode, const DeviceScalars& d) {
-  const cpu::FrugalScalars s{adamw_scalars(h), sign_scalars(h.lr, h.weight_decay, state_free_scale),
-                             mode};
-  return FrugalArgs{s, h, state_free_scale, d, sub.kind};
+inline FrugalArgs frugal_args(const SubsetBatch& sub, const FrugalHyper& h, const DeviceScalars& d) {
+  return FrugalArgs{cpu::frugal_scalars(h), h.adamw, h.state_free_scale, d, sub.kind};
 }
 
 FK_HOST_DEVICE cpu::FrugalScalars resolve(const FrugalArgs& a) {
   if (!on_device(a.device)) return a.scalars;
-  const AdamWHyper h = resolve_hyper(a.hyper, a.device);
-  return cpu::FrugalScalars{adamw_scalars(h),
-                            sign_scalars(h.lr, h.weight_decay, a.state_free_scale), a.scalars.mode};
+  return cpu::frugal_scalars(
+      FrugalHyper{resolve_hyper(a.hyper, a.device), a.state_free_scale, a.scalars.mode});
 }
 
 // A block's shared memory (8.3 KB).

@@ -28,13 +28,26 @@ struct DeviceScalars {
 // The functions below throw std::runtime_error on a CUDA error.
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const DeviceScalars& d,
            uintptr_t stream);
-void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
-              const DeviceScalars& d, uintptr_t stream);
-void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
-                 double state_free_scale, StateFree mode, const DeviceScalars& d, uintptr_t stream);
+void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, const DeviceScalars& d,
+              uintptr_t stream);
+void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
+                 const DeviceScalars& d, uintptr_t stream);
 // nvcc version and the architectures compiled in, e.g. "80;90;90-ptx".
 const char* nvcc_version();
 const char* archs();
+
+// The launch constants of one kernel (from its *.cuh), in every build, CUDA
+// or not: the emulator runs with them, and tests size their cases around them.
+struct LaunchLimits {
+  int threads;      // per block
+  int64_t chunk;    // elements (frugal_step_: positions) a block owns
+  int64_t tile;     // positions a frugal_step_ tile holds; 0 for kernels without tiles
+  int max_tensors;  // tensors one launch carries
+  int max_blocks;   // blocks one launch carries
+};
+LaunchLimits adamw_limits();
+LaunchLimits sign_sgd_limits();
+LaunchLimits frugal_step_limits();
 
 }  // namespace cuda
 
@@ -47,10 +60,10 @@ using cpu::SubsetBatch;
 using cpu::TensorBatch;
 
 int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const cuda::DeviceScalars& d);
-int64_t sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
+int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,
                  const cuda::DeviceScalars& d);
-int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const AdamWHyper& h,
-                    double state_free_scale, StateFree mode, const cuda::DeviceScalars& d);
+int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
+                    const cuda::DeviceScalars& d);
 
 }  // namespace cuda_emulated
 }  // namespace frugal

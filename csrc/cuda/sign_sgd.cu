@@ -15,9 +15,9 @@ __global__ void __launch_bounds__(kSignSgdThreads) sign_sgd_kernel(const SignSgd
 
 }  // namespace
 
-void sign_sgd(const TensorBatch& t, DType dtype, double lr, double weight_decay, double scale,
-              const DeviceScalars& d, uintptr_t stream) {
-  const SignSgdArgs args = sign_sgd_args(lr, weight_decay, scale, d);
+void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, const DeviceScalars& d,
+              uintptr_t stream) {
+  const SignSgdArgs args = sign_sgd_args(h, d);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     plan_sign_sgd(t, [&](const SignSgdMeta& meta, int blocks) {

@@ -29,9 +29,8 @@ struct SignSgdArgs {
 static_assert(sizeof(SignSgdMeta) + sizeof(SignSgdArgs) <= kMaxParamBytes,
               "sign_sgd_ kernel parameters exceed 4 KB");
 
-inline SignSgdArgs sign_sgd_args(double lr, double weight_decay, double scale,
-                                 const DeviceScalars& d) {
-  return SignSgdArgs{sign_scalars(lr, weight_decay, scale), weight_decay, scale, d.lr};
+inline SignSgdArgs sign_sgd_args(const SignSgdHyper& h, const DeviceScalars& d) {
+  return SignSgdArgs{sign_scalars(h.lr, h.weight_decay, h.scale), h.weight_decay, h.scale, d.lr};
 }
 
 template <typename T>

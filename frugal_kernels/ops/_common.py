@@ -4,17 +4,23 @@ Every check here looks at metadata only (lengths, dtypes, devices, shapes,
 layout), so the same function serves the real kernels and the fake (meta)
 kernels that torch.compile traces with. Checks run before anything is
 written: a call that raises leaves every tensor as it was.
+
+Each op builds one hyper-parameter record (a :class:`Hyper`) per call and
+hands every backend its tensors and that record; the ``_C`` entry points take
+the same record as a struct, with the tensors as a ``TensorBatch``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from frugal_kernels._layout import PARAM_DTYPES
+from frugal_kernels._layout import (DTYPE_CODES, PARAM_DTYPES, STATE_FREE_CODES,
+                                    SUBSET_KIND_CODES, matrix_view)
 
 
 Scalar = Union[float, int, Tensor]
@@ -124,9 +130,68 @@ def host_value(t: Tensor) -> float:
     return float(t.item())
 
 
+
+# ------------------------------------------------------- hyper-parameters
+
+# Hyper-parameters the kernels take as the codes of csrc's enums, not by name.
+_KERNEL_CODES = {"state_free": STATE_FREE_CODES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """The hyper-parameters of one op call, built once in the op body.
+
+    One subclass per op; its fields are the scalars of the op schema under
+    their schema names (``lr`` and ``step`` as the schema's 0-dim tensors),
+    and its name is the name of its struct in ``_C``. Every backend takes the
+    op's tensors and this record and passes the record on in the form it
+    needs, so a new hyper-parameter touches the schema, the record, the
+    struct and the math, and no backend.
+    """
+
+    def values(self) -> Dict[str, Any]:
+        """The fields as keywords, tensors as given (the Triton wrappers' arguments)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def on_host(self) -> Dict[str, Any]:
+        """The fields as keywords, tensors as Python floats (the reference's arguments)."""
+        return {name: host_value(v) if isinstance(v, Tensor) else v
+                for name, v in self.values().items()}
+
+    def kernel(self, ext: Any, scalars: Optional[Mapping[str, float]] = None) -> Any:
+        """The record as its ``_C`` struct. ``scalars`` gives the values of the
+        tensor fields (default: read on the host); rule names become codes."""
+        values = self.on_host() if scalars is None else {**self.values(), **scalars}
+        for name, codes in _KERNEL_CODES.items():
+            if name in values:
+                values[name] = codes[values[name]]
+        return getattr(ext, type(self).__name__)(**values)
+
+
+# ------------------------------------------------------------ _C arguments
+
 def addresses(tensors: Sequence[Tensor]) -> list:
     return [t.data_ptr() for t in tensors]
 
 
 def numels(tensors: Sequence[Tensor]) -> list:
     return [t.numel() for t in tensors]
+
+
+def kernel_batch(ext: Any, params: Sequence[Tensor], grads: Sequence[Tensor],
+                 exp_avgs: Sequence[Tensor] = (), exp_avg_sqs: Sequence[Tensor] = ()) -> Any:
+    """The tensors of one call as a ``_C.TensorBatch`` (the dtype of params[0])."""
+    return ext.TensorBatch(dtype=DTYPE_CODES[params[0].dtype], numel=numels(params),
+                           params=addresses(params), grads=addresses(grads),
+                           exp_avgs=addresses(exp_avgs), exp_avg_sqs=addresses(exp_avg_sqs))
+
+
+def subset_batch(ext: Any, params: Sequence[Tensor], indices: Sequence[Tensor],
+                 subset_kind: str) -> Any:
+    """The state-full subsets of a frugal step as a ``_C.SubsetBatch``: each
+    tensor seen as the [R, C] matrix the kernels walk (``matrix_view``)."""
+    views = [matrix_view(p, subset_kind) for p in params]
+    return ext.SubsetBatch(kind=SUBSET_KIND_CODES[subset_kind],
+                           index_is_int32=indices[0].dtype == torch.int32,
+                           indices=addresses(indices), rows=[r for _, r, _ in views],
+                           cols=[c for _, _, c in views], k=numels(indices))

@@ -2,115 +2,109 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import dataclasses
+from typing import List, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
-from frugal_kernels._layout import DTYPE_CODES
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Scalar, addresses, as_scalar_tensor,
-                                        check_batch, check_finite, check_scalars, host_value, numels)
+from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch,
+                                        check_finite, check_scalars, kernel_batch)
 
 OP = "frugal::adamw_"
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay) -> None:
-    check_batch(OP, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs})
+
+class Tensors(NamedTuple):
+    params: List[Tensor]
+    grads: List[Tensor]
+    exp_avgs: List[Tensor]
+    exp_avg_sqs: List[Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWCore(Hyper):
+    """AdamW's hyper-parameters, shared with ``frugal_step_``."""
+
+    lr: Tensor
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWHyper(AdamWCore):
+    maximize: bool
+
+
+def check_adamw_hyper(op: str, beta1: float, beta2: float, eps: float) -> None:
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{OP}: {name} must be in [0, 1), got {beta}")
+            raise ValueError(f"{op}: {name} must be in [0, 1), got {beta}")
     if not eps >= 0.0:
-        raise ValueError(f"{OP}: eps must be >= 0, got {eps}")
+        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
+
+
+def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
+           maximize, backend) -> None:
+    """The metadata checks, with the op's signature: also its fake kernel."""
+    check_batch(OP, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs})
+    check_adamw_hyper(OP, beta1, beta2, eps)
     check_finite(OP, weight_decay=weight_decay)
 
 
 @torch.library.custom_op(OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
-def _adamw_op(
-    params: List[Tensor],
-    grads: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    lr: Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: Tensor,
-    maximize: bool,
-    backend: str,
-) -> None:
-    _check(params, grads, exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay)
+def _adamw_op(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+              exp_avg_sqs: List[Tensor], lr: Tensor, beta1: float, beta2: float, eps: float,
+              weight_decay: float, step: Tensor, maximize: bool, backend: str) -> None:
+    _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
+           maximize, backend)
     check_scalars(OP, lr, step)
     if not params:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
-    impl(params, [g.contiguous() for g in grads], exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps,
-         weight_decay, step, maximize)
+    impl(Tensors(params, [g.contiguous() for g in grads], exp_avgs, exp_avg_sqs),
+         AdamWHyper(lr, beta1, beta2, eps, weight_decay, step, maximize))
 
 
-@_adamw_op.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, maximize,
-      backend) -> None:
-    _check(params, grads, exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay)
+_adamw_op.register_fake(_check)
 
 
-def _cpu(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
-         maximize) -> None:
-    extension().adamw_cpu(
-        addresses(params), addresses(grads), addresses(exp_avgs), addresses(exp_avg_sqs),
-        numels(params), DTYPE_CODES[params[0].dtype], host_value(lr), beta1, beta2, eps,
-        weight_decay, host_value(step), maximize, torch.get_num_threads())
+def _cpu(t: Tensors, h: AdamWHyper) -> None:
+    ext = extension()
+    ext.adamw_cpu(kernel_batch(ext, *t), h.kernel(ext), torch.get_num_threads())
 
 
-def _cuda(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
-          maximize) -> None:
-    from frugal_kernels.ops._cuda import device_scalar, launch_context
+def _cuda(t: Tensors, h: AdamWHyper) -> None:
+    from frugal_kernels.ops._cuda import launch
 
-    with launch_context(params[0].device) as stream:
-        lr_value, lr_ptr, _lr_alive = device_scalar(lr, params[0].device)
-        step_value, step_ptr, _step_alive = device_scalar(step, params[0].device)
-        extension().adamw_cuda(
-            addresses(params), addresses(grads), addresses(exp_avgs), addresses(exp_avg_sqs),
-            numels(params), DTYPE_CODES[params[0].dtype], lr_value, beta1, beta2, eps,
-            weight_decay, step_value, maximize, lr_ptr, step_ptr, stream)
+    ext = extension()
+    with launch(ext, h, t.params[0].device) as (hyper, scalars, stream):
+        ext.adamw_cuda(kernel_batch(ext, *t), hyper, scalars, stream)
 
 
-def _triton(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
-            maximize) -> None:
+def _triton(t: Tensors, h: AdamWHyper) -> None:
     from frugal_kernels.kernels.triton.adamw import adamw_
 
-    adamw_(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-           weight_decay=weight_decay, step=step, maximize=maximize)
+    adamw_(*t, **h.values())
 
 
-def _torch(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
-           maximize) -> None:
-    reference.adamw_(params, grads, exp_avgs, exp_avg_sqs, lr=host_value(lr), beta1=beta1,
-                     beta2=beta2, eps=eps, weight_decay=weight_decay, step=host_value(step),
-                     maximize=maximize)
+def _torch(t: Tensors, h: AdamWHyper) -> None:
+    reference.adamw_(*t, **h.on_host())
 
 
 _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
 
-def adamw_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    lr: Scalar,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: Scalar,
-    maximize: bool = False,
-    backend: str = "auto",
-) -> None:
+def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+           exp_avg_sqs: Sequence[Tensor], *, lr: Scalar, beta1: float, beta2: float, eps: float,
+           weight_decay: float, step: Scalar, maximize: bool = False,
+           backend: str = "auto") -> None:
     """AdamW (decoupled weight decay) on lists of tensors, in place, in one call.
 
     The math of ``torch.optim.AdamW``: ``p *= 1 - lr * weight_decay``;

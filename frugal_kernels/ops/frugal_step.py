@@ -9,25 +9,41 @@ rho < 1 moves fewer bytes than AdamW.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import dataclasses
+from typing import List, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
-from frugal_kernels._layout import (DTYPE_CODES, STATE_FREE_CODES, STATE_FREE_RULES,
-                                    SUBSET_KIND_CODES, SUBSET_KINDS, matrix_view, subset_dim,
-                                    subset_state_shape)
+from frugal_kernels._layout import STATE_FREE_RULES, SUBSET_KINDS, subset_dim, subset_state_shape
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Scalar, addresses, as_scalar_tensor, check_batch,
-                                        check_finite, check_scalars, host_value)
+from frugal_kernels.ops._common import (Scalar, as_scalar_tensor, check_batch, check_finite,
+                                        check_scalars, kernel_batch, subset_batch)
+from frugal_kernels.ops.adamw import AdamWCore, check_adamw_hyper
 
 OP = "frugal::frugal_step_"
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, beta1, beta2, eps, weight_decay,
-           state_free, state_free_scale) -> None:
+class Tensors(NamedTuple):
+    params: List[Tensor]
+    grads: List[Tensor]
+    exp_avgs: List[Tensor]
+    exp_avg_sqs: List[Tensor]
+    indices: List[Tensor]
+    kind: str  # the subset kind of every indices list
+
+
+@dataclasses.dataclass(frozen=True)
+class FrugalHyper(AdamWCore):
+    state_free: str
+    state_free_scale: float
+
+
+def _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
+           weight_decay, step, state_free, state_free_scale, backend) -> None:
+    """The metadata checks, with the op's signature: also its fake kernel."""
     if kind not in SUBSET_KINDS:
         raise ValueError(f"{OP}: kind must be one of {', '.join(SUBSET_KINDS)}; got {kind!r}")
     if state_free not in STATE_FREE_RULES:
@@ -59,11 +75,7 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, beta1, beta2, ep
                                  f"has only {subset_dim(p, kind)} {kind}")
     check_batch(OP, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
                 state_shape=lambda i, p: subset_state_shape(p, kind, indices[i].numel()))
-    for name, beta in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{OP}: {name} must be in [0, 1), got {beta}")
-    if not eps >= 0.0:
-        raise ValueError(f"{OP}: eps must be >= 0, got {eps}")
+    check_adamw_hyper(OP, beta1, beta2, eps)
     check_finite(OP, weight_decay=weight_decay, state_free_scale=state_free_scale)
 
 
@@ -83,115 +95,99 @@ def validate_indices(params: Sequence[Tensor], indices: Sequence[Tensor], kind: 
 
 
 @torch.library.custom_op(OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
-def _frugal_step_op(
-    params: List[Tensor],
-    grads: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    indices: List[Tensor],
-    kind: str,
-    lr: Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: Tensor,
-    state_free: str,
-    state_free_scale: float,
-    backend: str,
-) -> None:
-    _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, beta1, beta2, eps, weight_decay,
-           state_free, state_free_scale)
+def _frugal_step_op(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                    exp_avg_sqs: List[Tensor], indices: List[Tensor], kind: str, lr: Tensor,
+                    beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
+                    state_free: str, state_free_scale: float, backend: str) -> None:
+    _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
+           weight_decay, step, state_free, state_free_scale, backend)
     check_scalars(OP, lr, step)
     # Empty tensors have nothing to update (and no [R, C] view to speak of).
     keep = [i for i, p in enumerate(params) if p.numel() > 0]
     if not keep:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
-    impl([params[i] for i in keep], [grads[i].contiguous() for i in keep],
-         [exp_avgs[i] for i in keep], [exp_avg_sqs[i] for i in keep],
-         [indices[i].contiguous() for i in keep], kind, lr, beta1, beta2, eps, weight_decay,
-         step, state_free, state_free_scale)
+    impl(Tensors([params[i] for i in keep], [grads[i].contiguous() for i in keep],
+                 [exp_avgs[i] for i in keep], [exp_avg_sqs[i] for i in keep],
+                 [indices[i].contiguous() for i in keep], kind),
+         FrugalHyper(lr, beta1, beta2, eps, weight_decay, step, state_free, state_free_scale))
 
 
-@_frugal_step_op.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps, weight_decay,
-      step, state_free, state_free_scale, backend) -> None:
-    _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, beta1, beta2, eps, weight_decay,
-           state_free, state_free_scale)
+_frugal_step_op.register_fake(_check)
 
 
-def _kernel_args(params, grads, exp_avgs, exp_avg_sqs, indices, kind) -> list:
-    views = [matrix_view(p, kind) for p in params]
-    return [
-        addresses(params), addresses(grads), addresses(exp_avgs), addresses(exp_avg_sqs),
-        [p.numel() for p in params], addresses(indices), [r for _, r, _ in views],
-        [c for _, _, c in views], [idx.numel() for idx in indices], SUBSET_KIND_CODES[kind],
-        indices[0].dtype == torch.int32, DTYPE_CODES[params[0].dtype],
-    ]
+def _kernel_batch(ext, t: Tensors):
+    return kernel_batch(ext, t.params, t.grads, t.exp_avgs, t.exp_avg_sqs)
 
 
-def _cpu(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
-         weight_decay, step, state_free, state_free_scale) -> None:
-    extension().frugal_step_cpu(
-        *_kernel_args(params, grads, exp_avgs, exp_avg_sqs, indices, kind), host_value(lr),
-        beta1, beta2, eps, weight_decay, host_value(step), state_free_scale,
-        STATE_FREE_CODES[state_free], torch.get_num_threads())
+def _cpu(t: Tensors, h: FrugalHyper) -> None:
+    ext = extension()
+    ext.frugal_step_cpu(_kernel_batch(ext, t), subset_batch(ext, t.params, t.indices, t.kind),
+                        h.kernel(ext), torch.get_num_threads())
 
 
-def _cuda(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
-          weight_decay, step, state_free, state_free_scale) -> None:
-    from frugal_kernels.ops._cuda import device_scalar, launch_context
+def _cuda(t: Tensors, h: FrugalHyper) -> None:
+    from frugal_kernels.ops._cuda import launch
 
-    with launch_context(params[0].device) as stream:
-        lr_value, lr_ptr, _lr_alive = device_scalar(lr, params[0].device)
-        step_value, step_ptr, _step_alive = device_scalar(step, params[0].device)
-        extension().frugal_step_cuda(
-            *_kernel_args(params, grads, exp_avgs, exp_avg_sqs, indices, kind), lr_value, beta1,
-            beta2, eps, weight_decay, step_value, state_free_scale, STATE_FREE_CODES[state_free],
-            lr_ptr, step_ptr, stream)
+    ext = extension()
+    with launch(ext, h, t.params[0].device) as (hyper, scalars, stream):
+        ext.frugal_step_cuda(_kernel_batch(ext, t), subset_batch(ext, t.params, t.indices, t.kind),
+                             hyper, scalars, stream)
 
 
-def _triton(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
-            weight_decay, step, state_free, state_free_scale) -> None:
+def _triton(t: Tensors, h: FrugalHyper) -> None:
     from frugal_kernels.kernels.triton.frugal_step import frugal_step_
 
-    frugal_step_(params, grads, exp_avgs, exp_avg_sqs, indices, kind=kind, lr=lr, beta1=beta1,
-                 beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-                 state_free=state_free, state_free_scale=state_free_scale)
+    frugal_step_(t.params, t.grads, t.exp_avgs, t.exp_avg_sqs, t.indices, kind=t.kind,
+                 **h.values())
 
 
-def _torch(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
-           weight_decay, step, state_free, state_free_scale) -> None:
-    reference.frugal_step_(params, grads, exp_avgs, exp_avg_sqs, indices, kind=kind,
-                           lr=host_value(lr), beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, step=host_value(step),
-                           state_free=state_free, state_free_scale=state_free_scale)
+def _torch(t: Tensors, h: FrugalHyper) -> None:
+    reference.frugal_step_(t.params, t.grads, t.exp_avgs, t.exp_avg_sqs, t.indices, kind=t.kind,
+                           **h.on_host())
 
 
 _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
 
-def frugal_step_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    indices: Sequence[Tensor],
-    *,
-    kind: str,
-    lr: Scalar,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: Scalar,
-    state_free: str = "sign",
-    state_free_scale: float = 1.0,
-    backend: str = "auto",
-    check_indices: bool = True,
-) -> None:
-    """The fused FRUGAL update of a list of tensors, in place, in one call.
+def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                 exp_avg_sqs: Sequence[Tensor], indices: Sequence[Tensor], *, kind: str,
+                 lr: Scalar, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 step: Scalar, state_free: str = "sign", state_free_scale: float = 1.0,
+                 backend: str = "auto", check_indices: bool = True) -> None:
+    r"""The fused FRUGAL update of a list of tensors, in place, in one call.
+
+    For each tensor, with :math:`S` its state-full coordinates (the rows,
+    columns or flat coordinates ``indices`` names) and :math:`m, v` their
+    compact moments:
+
+    .. math::
+       \begin{aligned}
+            &\rule{110mm}{0.4pt}                                                         \\
+            &\textbf{input}: \theta \text{ (params)}, \: g \text{ (grads)}, \: S
+                \text{ (indices, kind)}, \: m, v \text{ (exp\_avgs, exp\_avg\_sqs on } S
+                \text{)},                                                                \\
+            &\hspace{13mm} \gamma \text{ (lr)}, \: \beta_1, \beta_2, \: \epsilon, \:
+                \lambda \text{ (weight\_decay)}, \: t \text{ (step)}, \:
+                \phi \text{ (state\_free)}, \: s \text{ (state\_free\_scale)}             \\[-1.ex]
+            &\rule{110mm}{0.4pt}                                                         \\
+            &\theta \leftarrow \theta \, (1 - \gamma \lambda)
+                \hspace{5mm} \text{(every coordinate)}                                   \\
+            &\textbf{for} \: i \in S \: \textbf{do} \hspace{5mm} \text{(AdamW)}          \\
+            &\hspace{5mm} m_i \leftarrow \beta_1 m_i + (1 - \beta_1) \, g_i              \\
+            &\hspace{5mm} v_i \leftarrow \beta_2 v_i + (1 - \beta_2) \, g_i^2            \\
+            &\hspace{5mm} \theta_i \leftarrow \theta_i - \frac{\gamma}{1 - \beta_1^t} \,
+                \frac{m_i}{\sqrt{v_i} / \sqrt{1 - \beta_2^t} + \epsilon}                 \\
+            &\textbf{for} \: i \notin S \: \textbf{do} \hspace{5mm}
+                \text{(the state-free rule)}                                             \\
+            &\hspace{5mm} \theta_i \leftarrow \theta_i - \gamma s \, \phi(g_i), \quad
+                \phi(g) = \mathrm{sign}(g) \text{ (sign)}, \; g \text{ (sgd)}, \;
+                0 \text{ (none)}                                                         \\[-1.ex]
+            &\rule{110mm}{0.4pt}                                                         \\[-1.ex]
+       \end{aligned}
+
+    A state-free coordinate reads :math:`\theta_i, g_i` and writes
+    :math:`\theta_i`, nothing more, and the whole update is one pass over memory.
 
     Args:
         params, grads: as for :func:`adamw_`.
@@ -208,17 +204,16 @@ def frugal_step_(
         state_free: the rule of the other coordinates: ``"sign"``
             (``p -= lr * state_free_scale * sign(g)``), ``"sgd"``
             (``p -= lr * state_free_scale * g``) or ``"none"`` (decay only).
+        backend: as for :func:`adamw_`.
         check_indices: check that the indices are sorted, unique and in range
             (a host sync when they live on a GPU); callers that build the
             subsets themselves, as the optimizers do, pass False.
     """
-    params, grads, exp_avgs, exp_avg_sqs, indices = (
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(indices))
+    args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(indices), kind,
+            as_scalar_tensor(OP, "lr", lr), float(beta1), float(beta2), float(eps),
+            float(weight_decay), as_scalar_tensor(OP, "step", step), state_free,
+            float(state_free_scale), backend)
     if check_indices:
-        _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, beta1, beta2, eps,
-               weight_decay, state_free, state_free_scale)
-        validate_indices(params, indices, kind)
-    _frugal_step_op(params, grads, exp_avgs, exp_avg_sqs, indices, kind,
-                    as_scalar_tensor(OP, "lr", lr), float(beta1), float(beta2), float(eps),
-                    float(weight_decay), as_scalar_tensor(OP, "step", step), state_free,
-                    float(state_free_scale), backend)
+        _check(*args)
+        validate_indices(args[0], args[4], kind)
+    _frugal_step_op(*args)

@@ -16,25 +16,43 @@ pass; ``torch`` is the reference. There is no ``cuda`` backend: on GPUs
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import dataclasses
+from typing import List, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
-from frugal_kernels._layout import (DTYPE_CODES, LEFT, RIGHT, SIDES, STATE_FREE_CODES,
-                                    STATE_FREE_RULES, back_project,
+from frugal_kernels._layout import (LEFT, RIGHT, SIDES, STATE_FREE_RULES, back_project,
                                     projection_rank, projection_shapes)
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Scalar, as_scalar_tensor, check_batch,
-                                        check_finite, check_scalars, host_value)
+from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch,
+                                        check_finite, check_scalars, kernel_batch)
 
 OP = "frugal::lowrank_step_"
 
 
-def _check(params, grads, low_updates, low_grads, projections, sides, weight_decay, state_free,
-           state_free_scale) -> None:
+class Tensors(NamedTuple):
+    params: List[Tensor]
+    grads: List[Tensor]
+    low_updates: List[Tensor]
+    low_grads: List[Tensor]
+    projections: List[Tensor]
+    sides: List[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class LowrankHyper(Hyper):
+    lr: Tensor
+    weight_decay: float
+    state_free: str
+    state_free_scale: float
+
+
+def _check(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
+           state_free, state_free_scale, backend) -> None:
+    """The metadata checks, with the op's signature: also its fake kernel."""
     if state_free not in STATE_FREE_RULES:
         raise ValueError(f"{OP}: state_free must be one of {', '.join(STATE_FREE_RULES)}; "
                          f"got {state_free!r}")
@@ -72,23 +90,20 @@ def _lowrank_step_op(params: List[Tensor], grads: List[Tensor], low_updates: Lis
                      low_grads: List[Tensor], projections: List[Tensor], sides: List[int],
                      lr: Tensor, weight_decay: float, state_free: str, state_free_scale: float,
                      backend: str) -> None:
-    _check(params, grads, low_updates, low_grads, projections, sides, weight_decay, state_free,
-           state_free_scale)
+    _check(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
+           state_free, state_free_scale, backend)
     check_scalars(OP, lr)
     keep = [i for i, p in enumerate(params) if p.numel() > 0]
     if not keep:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
-    impl(*([lst[i] for i in keep] for lst in (params, [g.contiguous() for g in grads],
-                                               low_updates, low_grads, projections, sides)),
-         lr, weight_decay, state_free, state_free_scale)
+    impl(Tensors(*([lst[i] for i in keep] for lst in (params, [g.contiguous() for g in grads],
+                                                       low_updates, low_grads, projections,
+                                                       sides))),
+         LowrankHyper(lr, weight_decay, state_free, state_free_scale))
 
 
-@_lowrank_step_op.register_fake
-def _(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay, state_free,
-      state_free_scale, backend) -> None:
-    _check(params, grads, low_updates, low_grads, projections, sides, weight_decay, state_free,
-           state_free_scale)
+_lowrank_step_op.register_fake(_check)
 
 
 def _back_projections(u: Tensor, lg: Tensor, proj: Tensor, side: int) -> Tensor:
@@ -96,52 +111,59 @@ def _back_projections(u: Tensor, lg: Tensor, proj: Tensor, side: int) -> Tensor:
     return back_project(torch.stack((u, lg)), proj, side)
 
 
-def _cpu(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay, state_free,
-         state_free_scale) -> None:
+def _cpu(t: Tensors, h: LowrankHyper) -> None:
     ext = extension()
-    for p, g, u, lg, proj, side in zip(params, grads, low_updates, low_grads, projections, sides):
+    hyper = h.kernel(ext)
+    for p, g, u, lg, proj, side in zip(*t):
         # One tensor at a time: the [2, m, n] back-projections are transient.
         up = _back_projections(u, lg, proj, side)
-        ext.lowrank_step_cpu([p.data_ptr()], [g.data_ptr()], [up[0].data_ptr()],
-                             [up[1].data_ptr()], [p.numel()], DTYPE_CODES[p.dtype],
-                             host_value(lr), weight_decay, state_free_scale,
-                             STATE_FREE_CODES[state_free], torch.get_num_threads())
+        ext.lowrank_step_cpu(kernel_batch(ext, [p], [g]), [up[0].data_ptr()], [up[1].data_ptr()],
+                             hyper, torch.get_num_threads())
 
 
-def _triton(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
-            state_free, state_free_scale) -> None:
+def _triton(t: Tensors, h: LowrankHyper) -> None:
     from frugal_kernels.kernels.triton.lowrank_step import lowrank_step_
 
-    lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=lr,
-                  weight_decay=weight_decay, state_free=state_free,
-                  state_free_scale=state_free_scale)
+    lowrank_step_(*t, **h.values())
 
 
-def _torch(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
-           state_free, state_free_scale) -> None:
-    reference.lowrank_step_(params, grads, low_updates, low_grads, projections, sides,
-                            lr=host_value(lr), weight_decay=weight_decay, state_free=state_free,
-                            state_free_scale=state_free_scale)
+def _torch(t: Tensors, h: LowrankHyper) -> None:
+    reference.lowrank_step_(*t, **h.on_host())
 
 
 _IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
 
 
-def lowrank_step_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    low_updates: Sequence[Tensor],
-    low_grads: Sequence[Tensor],
-    projections: Sequence[Tensor],
-    sides: Sequence[int],
-    *,
-    lr: Scalar,
-    weight_decay: float = 0.0,
-    state_free: str = "sign",
-    state_free_scale: float = 1.0,
-    backend: str = "auto",
-) -> None:
-    """The weight update of a low-rank FRUGAL step, in place (see the module doc).
+def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
+                  low_updates: Sequence[Tensor], low_grads: Sequence[Tensor],
+                  projections: Sequence[Tensor], sides: Sequence[int], *, lr: Scalar,
+                  weight_decay: float = 0.0, state_free: str = "sign",
+                  state_free_scale: float = 1.0, backend: str = "auto") -> None:
+    r"""The weight update of a low-rank FRUGAL step, in place.
+
+    Each param is seen as a matrix [m, n] = [shape[0], rest] with a projection
+    :math:`P` on one side; :math:`\mathrm{up}` is the back-projection,
+    :math:`\mathrm{up}(x) = x P` (side RIGHT, :math:`P` [r, n] with orthonormal
+    rows) or :math:`P x` (side LEFT, :math:`P` [m, r] with orthonormal columns).
+    The optimizer ran AdamW in the subspace; this op applies its update, and
+    the state-free rule to the part of the gradient outside the subspace:
+
+    .. math::
+       \begin{aligned}
+            &\rule{110mm}{0.4pt}                                                         \\
+            &\textbf{input}: \theta \text{ (params)}, \: g \text{ (grads)}, \:
+                P \text{ (projections, sides)}, \: u \text{ (low\_updates)}, \:
+                \hat{g} = P^\top g \text{ (low\_grads)}                                  \\
+            &\hspace{13mm} \gamma \text{ (lr)}, \: \lambda \text{ (weight\_decay)}, \:
+                \phi \text{ (state\_free)}, \: s \text{ (state\_free\_scale)}          \\[-1.ex]
+            &\rule{110mm}{0.4pt}                                                         \\
+            &r \leftarrow g - \mathrm{up}(\hat{g})
+                \hspace{5mm} \text{(the residual, outside the subspace)}                 \\
+            &\theta \leftarrow \theta \, (1 - \gamma \lambda) - \gamma s \, \phi(r)
+                + \mathrm{up}(u), \quad \phi(r) = \mathrm{sign}(r) \text{ (sign)}, \;
+                r \text{ (sgd)}, \; 0 \text{ (none)}                                     \\[-1.ex]
+            &\rule{110mm}{0.4pt}                                                         \\[-1.ex]
+       \end{aligned}
 
     Args:
         params, grads: tensors of >= 2 dims, seen as matrices [m, n].
@@ -151,6 +173,8 @@ def lowrank_step_(
         projections: fp32 [r, n] (RIGHT, orthonormal rows) or [m, r] (LEFT,
             orthonormal columns).
         sides: 0 (RIGHT) or 1 (LEFT) per tensor.
+        lr, weight_decay, state_free, state_free_scale, backend: as for
+            :func:`frugal_step_`.
     """
     _lowrank_step_op(list(params), list(grads), list(low_updates), list(low_grads),
                      list(projections), [int(s) for s in sides], as_scalar_tensor(OP, "lr", lr),

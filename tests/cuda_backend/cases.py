@@ -1,17 +1,22 @@
 """Cases shared by the CUDA tests: the emulated kernels (test_cuda_emulation)
 and the real ones on a GPU (test_cuda_gpu). Sizes sit around the kernels'
-constants (csrc/cuda/*.cuh)."""
+launch constants, which _C reports from the headers (csrc/cuda/*.cuh)."""
 
+import pytest
 import torch
 
-from frugal_kernels._layout import subset_state_shape as state_shape
+from frugal_kernels._extension import extension
+from frugal_kernels._layout import STATE_FREE_RULES, subset_dim, subset_state_shape
 
-# Elements per block of adamw_ / sign_sgd_, positions per tile of frugal_step_
-# (8 tiles a block, so CHUNK positions a block too), and the launch limits.
-CHUNK = 16384
-TILE = 2048
-MAX_BLOCKS = 320
-MAX_TENSORS = {"adamw": 36, "sign_sgd": 64, "frugal_step": 24}
+_C = extension()
+if _C is None:
+    pytest.skip("frugal_kernels._C is not built", allow_module_level=True)
+
+# Per kernel: threads, chunk (elements a block owns), max_tensors and
+# max_blocks per launch, and for frugal_step_ the tile (8 tiles a block).
+LIMITS = _C.cuda_limits()
+CHUNK = LIMITS["adamw"]["chunk"]
+TILE = LIMITS["frugal_step"]["tile"]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # lr is a power of two so that a float32 device tensor holds it exactly.
@@ -33,7 +38,26 @@ FRUGAL_SHAPES = {
     "flat": [((1,), 1.0), ((7,), 0.5), ((TILE - 1,), 0.3), ((TILE,), 0.3), ((TILE + 1,), 0.3),
              ((CHUNK + 1,), 0.25), ((40000,), 0.1), ((3000,), 0.0), ((2500,), 1.0)],
 }
-STATE_FREE_RULES = ["sign", "sgd", "none"]
+
+
+def launches_for(op, numels):
+    """The launch count the planner must reach for ``op`` (csrc/cuda/multi_tensor.h)."""
+    chunk, max_tensors, max_blocks = (LIMITS[op][k] for k in ("chunk", "max_tensors",
+                                                              "max_blocks"))
+    launches = tensors = blocks = 0
+    for n in numels:
+        if n == 0:
+            continue
+        chunks = -(-n // chunk)
+        tensors += 1
+        for c in range(chunks):
+            blocks += 1
+            last = c + 1 == chunks
+            if blocks == max_blocks or (last and tensors == max_tensors):
+                launches += 1
+                blocks = 0
+                tensors = 0 if last else 1
+    return launches + (blocks > 0)
 
 
 def placed(values, *, misaligned=False, device="cpu"):
@@ -90,9 +114,8 @@ def frugal_data(kind, shapes, dtype, index_dtype, seed):
     for shape, fraction in shapes:
         p.append(torch.randn(shape, generator=gen).to(dtype))
         g.append(grads_like(shape, dtype, gen))
-        dim = {"rows": shape[0], "columns": shape[-1]}.get(kind, p[-1].numel())
-        idx.append(subset(dim, fraction, index_dtype, gen))
-        sshape = state_shape(p[-1], kind, idx[-1].numel())
+        idx.append(subset(subset_dim(p[-1], kind), fraction, index_dtype, gen))
+        sshape = subset_state_shape(p[-1], kind, idx[-1].numel())
         m.append(0.1 * torch.randn(sshape, generator=gen))
         v.append(0.01 * torch.rand(sshape, generator=gen))
     return p, g, m, v, idx

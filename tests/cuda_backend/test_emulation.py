@@ -12,28 +12,22 @@ reports, so that they fail rather than silently stop covering it when a
 constant changes.
 """
 
+import contextlib
 import os
 import shutil
+import types
 
 import pytest
 import torch
 
 import frugal_kernels
-from frugal_kernels._extension import extension
-from frugal_kernels._layout import DTYPE_CODES, matrix_view
+from frugal_kernels._layout import STATE_FREE_CODES, STATE_FREE_RULES
+from frugal_kernels.ops import adamw, frugal_step, sign_sgd
+from frugal_kernels.ops._common import kernel_batch, subset_batch
 
-from .cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, MAX_BLOCKS,
-                        MAX_TENSORS, SIZES, STATE_FREE_RULES, STEP, TILE, WD, adamw_data,
-                        assert_equal, frugal_data, placed, sign_sgd_data)
-
-_C = extension()
-pytestmark = pytest.mark.skipif(_C is None, reason="frugal_kernels._C is not built")
-
-STATE_FREE_CODES = {rule: code for code, rule in enumerate(STATE_FREE_RULES)}
-
-
-def addresses(tensors):
-    return [t.data_ptr() for t in tensors]
+from .cases import (_C, BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES, STEP, TILE,
+                    WD, adamw_data, assert_equal, frugal_data, launches_for, placed,
+                    sign_sgd_data)
 
 
 def placed_lists(data, names, misaligned):
@@ -42,43 +36,27 @@ def placed_lists(data, names, misaligned):
     return [[placed(t, misaligned=name in misaligned) for t in ts] for name, ts in zip(names, data)]
 
 
-def launches_for(numels, chunk, max_tensors):
-    """The launch count the planner must reach (csrc/cuda/multi_tensor.h)."""
-    launches = tensors = blocks = 0
-    for n in numels:
-        if n == 0:
-            continue
-        chunks = -(-n // chunk)
-        tensors += 1
-        for c in range(chunks):
-            blocks += 1
-            last = c + 1 == chunks
-            if blocks == MAX_BLOCKS or (last and tensors == max_tensors):
-                launches += 1
-                blocks = 0
-                tensors = 0 if last else 1
-    return launches + (blocks > 0)
-
-
 # ----------------------------------------------------------------- adamw_
 
 class AdamWCase:
     def __init__(self, numels, dtype, *, seed=0, misaligned=(), maximize=False):
-        self.numels, self.dtype, self.maximize = list(numels), dtype, maximize
+        self.dtype, self.maximize = dtype, maximize
         self.p, self.g, self.m, self.v = placed_lists(adamw_data(numels, dtype, seed), "pgmv",
                                                       misaligned)
 
+    def hyper(self, lr=LR, step=STEP):
+        return _C.AdamWHyper(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, step=step,
+                             maximize=self.maximize)
+
     def run_cpu(self):
         p, m, v = ([t.clone() for t in ts] for ts in (self.p, self.m, self.v))
-        _C.adamw_cpu(addresses(p), addresses(self.g), addresses(m), addresses(v), self.numels,
-                     DTYPE_CODES[self.dtype], LR, BETA1, BETA2, EPS, WD, STEP, self.maximize,
-                     torch.get_num_threads())
+        _C.adamw_cpu(kernel_batch(_C, p, self.g, m, v), self.hyper(), torch.get_num_threads())
         return p, m, v
 
     def run_emulated(self, lr=LR, step=STEP, lr_ptr=0, step_ptr=0):
-        return _C.adamw_cuda_emulated(addresses(self.p), addresses(self.g), addresses(self.m),
-                                      addresses(self.v), self.numels, DTYPE_CODES[self.dtype], lr,
-                                      BETA1, BETA2, EPS, WD, step, self.maximize, lr_ptr, step_ptr)
+        return _C.adamw_cuda_emulated(kernel_batch(_C, self.p, self.g, self.m, self.v),
+                                      self.hyper(lr, step),
+                                      _C.DeviceScalars(lr=lr_ptr, step=step_ptr))
 
     def check(self, **kw):
         want = self.run_cpu()
@@ -112,7 +90,7 @@ def test_adamw_more_tensors_than_one_launch_holds():
     numels = [int(n) for n in torch.randint(1, 3 * TILE, (100,), generator=gen)]
     numels[10] = numels[50] = 0
     launches = AdamWCase(numels, torch.float16, seed=1).check()
-    assert launches == launches_for(numels, CHUNK, MAX_TENSORS["adamw"]) >= 3
+    assert launches == launches_for("adamw", numels) >= 3
 
 
 def test_adamw_more_blocks_than_one_launch_holds():
@@ -120,7 +98,7 @@ def test_adamw_more_blocks_than_one_launch_holds():
     # it in the second, where it must still be found in its table slot.
     numels = [350 * CHUNK + 3, 5, 30 * CHUNK]
     launches = AdamWCase(numels, torch.bfloat16, seed=2).check()
-    assert launches == launches_for(numels, CHUNK, MAX_TENSORS["adamw"]) == 2
+    assert launches == launches_for("adamw", numels) == 2
 
 
 # lr and step as float32, what a device tensor holds (both exactly).
@@ -155,17 +133,19 @@ def test_adamw_device_scalars(which):
 
 class SignSgdCase:
     def __init__(self, numels, dtype, *, seed=0, misaligned=()):
-        self.numels, self.dtype = list(numels), dtype
+        self.dtype = dtype
         self.p, self.g = placed_lists(sign_sgd_data(numels, dtype, seed), "pg", misaligned)
 
     def run_emulated(self, lr=LR, lr_ptr=0):
-        return _C.sign_sgd_cuda_emulated(addresses(self.p), addresses(self.g), self.numels,
-                                         DTYPE_CODES[self.dtype], lr, WD, 0.5, lr_ptr)
+        return _C.sign_sgd_cuda_emulated(kernel_batch(_C, self.p, self.g),
+                                         _C.SignSgdHyper(lr=lr, weight_decay=WD, scale=0.5),
+                                         _C.DeviceScalars(lr=lr_ptr))
 
     def check(self):
         want = [t.clone() for t in self.p]
-        _C.sign_sgd_cpu(addresses(want), addresses(self.g), self.numels, DTYPE_CODES[self.dtype],
-                        LR, WD, 0.5, torch.get_num_threads())
+        _C.sign_sgd_cpu(kernel_batch(_C, want, self.g),
+                        _C.SignSgdHyper(lr=LR, weight_decay=WD, scale=0.5),
+                        torch.get_num_threads())
         launches = self.run_emulated()
         assert_equal("params", self.p, want)
         return launches
@@ -182,13 +162,13 @@ def test_sign_sgd_more_tensors_than_one_launch_holds():
     gen = torch.Generator().manual_seed(4)
     numels = [int(n) for n in torch.randint(1, 2 * TILE, (150,), generator=gen)]
     launches = SignSgdCase(numels, torch.float32, seed=4).check()
-    assert launches == launches_for(numels, CHUNK, MAX_TENSORS["sign_sgd"]) >= 3
+    assert launches == launches_for("sign_sgd", numels) >= 3
 
 
 def test_sign_sgd_more_blocks_than_one_launch_holds():
     numels = [700 * CHUNK + 11, 3]
     launches = SignSgdCase(numels, torch.bfloat16, seed=5).check()
-    assert launches == launches_for(numels, CHUNK, MAX_TENSORS["sign_sgd"]) == 3
+    assert launches == launches_for("sign_sgd", numels) == 3
 
 
 def test_sign_sgd_device_lr():
@@ -208,23 +188,21 @@ class FrugalCase:
         data = frugal_data(kind, shapes, dtype, index_dtype, seed)
         self.p, self.g, self.m, self.v, self.idx = placed_lists(data, "pgmvi", misaligned)
 
-    def args(self, p, m, v):
-        views = [matrix_view(t, self.kind) for t in self.p]
-        return [addresses(p), addresses(self.g), addresses(m), addresses(v),
-                [t.numel() for t in self.p], addresses(self.idx), [r for _, r, _ in views],
-                [c for _, _, c in views], [i.numel() for i in self.idx], views[0][0],
-                self.index_dtype == torch.int32, DTYPE_CODES[self.dtype]]
+    def args(self, p, m, v, lr=LR, step=STEP):
+        """The tensors, subsets and hyper-parameters, with p, m, v as given."""
+        return [kernel_batch(_C, p, self.g, m, v), subset_batch(_C, p, self.idx, self.kind),
+                _C.FrugalHyper(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD,
+                               step=step, state_free=STATE_FREE_CODES[self.mode],
+                               state_free_scale=0.5)]
 
     def run_cpu(self):
         p, m, v = ([t.clone() for t in ts] for ts in (self.p, self.m, self.v))
-        _C.frugal_step_cpu(*self.args(p, m, v), LR, BETA1, BETA2, EPS, WD, STEP, 0.5,
-                           STATE_FREE_CODES[self.mode], torch.get_num_threads())
+        _C.frugal_step_cpu(*self.args(p, m, v), torch.get_num_threads())
         return p, m, v
 
     def run_emulated(self, lr=LR, step=STEP, lr_ptr=0, step_ptr=0):
-        return _C.frugal_step_cuda_emulated(*self.args(self.p, self.m, self.v), lr, BETA1, BETA2,
-                                            EPS, WD, step, 0.5, STATE_FREE_CODES[self.mode], lr_ptr,
-                                            step_ptr)
+        return _C.frugal_step_cuda_emulated(*self.args(self.p, self.m, self.v, lr, step),
+                                            _C.DeviceScalars(lr=lr_ptr, step=step_ptr))
 
     def check(self):
         want = self.run_cpu()
@@ -257,7 +235,7 @@ def test_frugal_step_more_tensors_than_one_launch_holds():
               torch.randint(1, 120, (60, 2), generator=torch.Generator().manual_seed(7))]
     case = FrugalCase("rows", shapes, torch.bfloat16, torch.int64, seed=7)
     numels = [t.numel() for t in case.p]
-    assert case.check() == launches_for(numels, CHUNK, MAX_TENSORS["frugal_step"]) >= 3
+    assert case.check() == launches_for("frugal_step", numels) >= 3
 
 
 def test_frugal_step_more_blocks_than_one_launch_holds():
@@ -266,7 +244,7 @@ def test_frugal_step_more_blocks_than_one_launch_holds():
     shapes = [((330 * CHUNK + 7,), 0.2), ((3000,), 0.5)]
     case = FrugalCase("flat", shapes, torch.bfloat16, torch.int32, seed=8)
     numels = [t.numel() for t in case.p]
-    assert case.check() == launches_for(numels, CHUNK, MAX_TENSORS["frugal_step"]) == 2
+    assert case.check() == launches_for("frugal_step", numels) == 2
 
 
 @pytest.mark.parametrize("which", ["lr", "step", "both"])
@@ -278,6 +256,61 @@ def test_frugal_step_device_scalars(which):
     pointers.run_emulated(**by_pointer(which))
     for name in ("p", "m", "v"):
         assert_equal(name, getattr(pointers, name), getattr(values, name))
+
+
+# ------------------------------------------------- the ops' cuda glue
+
+class _EmulatedCuda:
+    """_C with every ``<op>_cuda`` entry point replaced by its emulation (the
+    stream dropped), so that the ops' cuda backends run on the host."""
+
+    def __getattr__(self, name):
+        if name.endswith("_cuda"):
+            emulated = getattr(_C, name + "_emulated")
+            return lambda *args: emulated(*args[:-1])
+        return getattr(_C, name)
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    fake = _EmulatedCuda()
+    for module in (adamw, sign_sgd, frugal_step):
+        monkeypatch.setattr(module, "extension", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: types.SimpleNamespace(cuda_stream=0))
+
+
+def _both(module, tensors, hyper):
+    """Run the op's cuda backend (emulated) and its cpu backend on copies of
+    ``tensors``; return both results."""
+    runs = []
+    for backend in (module._cuda, module._cpu):
+        t = type(tensors)(*([x.clone() for x in v] if isinstance(v, list) else v
+                            for v in tensors))
+        backend(t, hyper)
+        runs.append(t)
+    return runs
+
+
+def test_the_ops_cuda_backends_build_the_same_call_as_the_cpu_ones(emulated_cuda):
+    """ops.<op>._cuda: the hyper-parameter struct, DeviceScalars and batch it
+    builds drive the (emulated) kernels to the cpu backend's bits."""
+    lr, step = torch.tensor(LR), torch.tensor(STEP)
+    data = adamw_data([CHUNK + 3, 77], torch.bfloat16, seed=20)
+    got, want = _both(adamw, adamw.Tensors(*data),
+                      adamw.AdamWHyper(lr, BETA1, BETA2, EPS, WD, step, True))
+    for a, b in zip(got, want):
+        assert_equal("adamw_", a, b)
+    got, want = _both(sign_sgd, sign_sgd.Tensors(*sign_sgd_data([CHUNK + 3], torch.float16, 21)),
+                      sign_sgd.SignSgdHyper(lr, WD, 0.5))
+    assert_equal("sign_sgd_", got.params, want.params)
+    for kind, rule in (("rows", "sgd"), ("columns", "sign"), ("flat", "none")):
+        data = frugal_data(kind, FRUGAL_SHAPES[kind], torch.float32, torch.int32, seed=22)
+        got, want = _both(frugal_step, frugal_step.Tensors(*data, kind),
+                          frugal_step.FrugalHyper(lr, BETA1, BETA2, EPS, WD, step, rule, 0.5))
+        for a, b in zip(got[:3], want[:3]):
+            assert_equal(f"frugal_step_ {kind}", a, b)
 
 
 # ------------------------------------------------------------------ build

@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from frugal_kernels import ops
+from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.ops import _dispatch
 
-from .cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES,
-                        STATE_FREE_RULES, STEP, TILE, WD, adamw_data, assert_equal, frugal_data,
-                        placed, sign_sgd_data)
+from .cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES, STEP, TILE, WD,
+                    adamw_data, assert_equal, frugal_data, placed, sign_sgd_data)
 
 pytestmark = pytest.mark.gpu
-
 
 
 def hyper(**overrides):

@@ -71,10 +71,15 @@ def test_cuda_kernel_logic_matches_cpu_kernel_bit_for_bit(case):
     for fn in (ext.frugal_step_cpu, ext.frugal_step_cuda_emulated):
         t = [p.clone(), m.clone(), v.clone()]
         code, rows, cols = matrix_view(p, kind)
-        args = [[t[0].data_ptr()], [g.data_ptr()], [t[1].data_ptr()], [t[2].data_ptr()],
-                [p.numel()], [idx.data_ptr()], [rows], [cols], [idx.numel()], code,
-                index_dtype == torch.int32, 0, 1e-2, 0.9, 0.999, 1e-8, 0.1, 2.0, 1.0, 0]
-        fn(*args, *((1,) if fn is ext.frugal_step_cpu else (0, 0)))
+        args = [ext.TensorBatch(dtype=0, numel=[p.numel()], params=[t[0].data_ptr()],
+                                grads=[g.data_ptr()], exp_avgs=[t[1].data_ptr()],
+                                exp_avg_sqs=[t[2].data_ptr()]),
+                ext.SubsetBatch(kind=code, index_is_int32=index_dtype == torch.int32,
+                                indices=[idx.data_ptr()], rows=[rows], cols=[cols],
+                                k=[idx.numel()]),
+                ext.FrugalHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                step=2.0, state_free_scale=1.0, state_free=0)]
+        fn(*args, 1 if fn is ext.frugal_step_cpu else ext.DeviceScalars())
         runs.append(t)
     for a, b in zip(*runs):
         assert torch.equal(a, b)

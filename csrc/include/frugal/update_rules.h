@@ -63,6 +63,30 @@ FK_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const Ad
 // What the state-free coordinates of a FRUGAL step do.
 enum class StateFree : int { kSign = 0, kSgd = 1, kNone = 2 };
 
+// Hyper-parameters of one sign_sgd_ call.
+struct SignSgdHyper {
+  double lr;
+  double weight_decay;
+  double scale;  // the step is lr * scale
+};
+
+// Hyper-parameters of one frugal_step_ call: AdamW's for the state-full
+// coordinates (maximize stays false: the op has none) and the rule of the
+// others, whose step is lr * state_free_scale.
+struct FrugalHyper {
+  AdamWHyper adamw;
+  double state_free_scale;
+  StateFree state_free;
+};
+
+// Hyper-parameters of one lowrank_step_ call (the state-free rule of the residual).
+struct LowrankHyper {
+  double lr;
+  double weight_decay;
+  double state_free_scale;
+  StateFree state_free;
+};
+
 struct SignScalars {
   float decay;  // 1 - lr * weight_decay
   float step;   // lr * scale

@@ -1,0 +1,27 @@
+// The launch constants of the CUDA kernels, for the binding (built by the host
+// compiler into every build, like the emulator that runs with them).
+#include "kernels.h"
+
+#include "adamw.cuh"
+#include "frugal_step.cuh"
+#include "sign_sgd.cuh"
+
+namespace frugal {
+namespace cuda {
+
+LaunchLimits adamw_limits() {
+  return LaunchLimits{kAdamWThreads, kAdamWChunk, 0, AdamWMeta::kMaxTensors, AdamWMeta::kMaxBlocks};
+}
+
+LaunchLimits sign_sgd_limits() {
+  return LaunchLimits{kSignSgdThreads, kSignSgdChunk, 0, SignSgdMeta::kMaxTensors,
+                      SignSgdMeta::kMaxBlocks};
+}
+
+LaunchLimits frugal_step_limits() {
+  return LaunchLimits{kFrugalThreads, kFrugalChunk, kFrugalTile, FrugalMeta::kMaxTensors,
+                      FrugalMeta::kMaxBlocks};
+}
+
+}  // namespace cuda
+}  // namespace frugal
