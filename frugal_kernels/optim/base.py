@@ -157,17 +157,17 @@ class FusedOptimizer(Optimizer):
         if found_inf is not None and bool(found_inf.item()):
             return None
         # Checks first, writes after: nothing below raises on what the user passed.
-        key, named_grads = self._check_step()
+        key, with_grads = self._check_step()
         grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is None and self.nonfinite != "propagate" and named_grads:
-            bad = _first_nonfinite(named_grads)
+        if grad_scale is None and self.nonfinite != "propagate" and with_grads:
+            bad = _first_nonfinite(with_grads)
             if bad is not None:
                 if self.nonfinite == "skip":
                     return None
-                raise ValueError(f"{bad} has a non-finite gradient (NaN or inf); the step was "
-                                 "not applied (nonfinite='raise')")
-        if grad_scale is not None and named_grads:
-            torch._foreach_mul_([g for _, g in named_grads], grad_scale.reciprocal())
+                raise ValueError(f"{_param_name(*bad)} has a non-finite gradient (NaN or inf); "
+                                 "the step was not applied (nonfinite='raise')")
+        if grad_scale is not None and with_grads:
+            torch._foreach_mul_([p.grad for _, _, p in with_grads], grad_scale.reciprocal())
         self._prepare_plan(key)
         for gi, group in enumerate(self.param_groups):
             if not isinstance(group["lr"], Tensor):
@@ -179,13 +179,14 @@ class FusedOptimizer(Optimizer):
             torch._foreach_add_(steps, 1.0)
         return self._plan, [[p.grad for p in b.params] for b in self._plan]
 
-    def _check_step(self) -> Tuple[tuple, List[Tuple[str, Tensor]]]:
+    def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]]]:
         """Every per-step check, before anything changes: the groups' options (lr
         values included) and each gradient against its parameter. What cannot
         change between steps (duplicates, aliasing) is checked when a group is
         added. Returns the plan's key (which tensors have gradients) and the
-        gradients, each with the name of its parameter for error messages."""
-        key, named = [], []
+        tensors with gradients, as (group index, index in the group, tensor)."""
+        key, with_grads = [], []
+        strided = torch.strided
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, f"param group {gi}")
             for i, p in enumerate(group["params"]):
@@ -193,20 +194,13 @@ class FusedOptimizer(Optimizer):
                 key.append(g is not None)
                 if g is None:
                     continue
-                name = _param_name(gi, i, p)
-                if g.layout != torch.strided:
-                    raise ValueError(f"{name} has a sparse gradient ({g.layout}); the fused ops "
-                                     "take dense gradients (build the module with sparse=False, "
-                                     "e.g. nn.Embedding(..., sparse=False))")
-                if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
-                    raise ValueError(f"{name} has a gradient of dtype {g.dtype}, shape "
-                                     f"{tuple(g.shape)} on {g.device}, unlike its parameter "
-                                     f"({p.dtype}, {tuple(p.shape)} on {p.device})")
-                if not p.is_contiguous():
-                    raise ValueError(f"{name} is not contiguous (its .data was replaced after "
-                                     f"the optimizer was built); {_CONTIGUOUS_ADVICE}")
-                named.append((name, g))
-        return tuple(key), named
+                # The cheap test of every step; torch's grad setter and autograd already
+                # hold a gradient to its parameter's shape and device (its dtype too,
+                # unless p.grad_dtype was cleared).
+                if g.layout is not strided or g.dtype is not p.dtype or not p.is_contiguous():
+                    _refuse_gradient(gi, i, p)
+                with_grads.append((gi, i, p))
+        return tuple(key), with_grads
 
     def _prepare_plan(self, key: tuple) -> None:
         """Subspace changes and the plan, undone if they raise (an svd that fails, say)."""
@@ -326,6 +320,20 @@ def _param_name(gi: int, i: int, p: Tensor) -> str:
     return f"params[{i}] of param group {gi} (shape {tuple(p.shape)}, {p.dtype})"
 
 
+def _refuse_gradient(gi: int, i: int, p: Tensor) -> None:
+    """Raise the ValueError that says why ``p`` cannot take a step with its gradient."""
+    name, g = _param_name(gi, i, p), p.grad
+    if g.layout != torch.strided:
+        raise ValueError(f"{name} has a sparse gradient ({g.layout}); the fused ops take dense "
+                         "gradients (build the module with sparse=False, e.g. "
+                         "nn.Embedding(..., sparse=False))")
+    if not p.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (its .data was replaced after the optimizer "
+                         f"was built); {_CONTIGUOUS_ADVICE}")
+    raise ValueError(f"{name} has a gradient of dtype {g.dtype}, unlike its parameter; the "
+                     "fused ops take gradients of their parameter's dtype")
+
+
 def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int, Tensor]]) -> None:
     """Refuse what the fused ops cannot update in place: a parameter listed twice (here
     or in an earlier group), two parameters sharing memory, a non-contiguous parameter.
@@ -361,20 +369,23 @@ def _span(p: Tensor) -> Tuple[Any, int, int]:
     return (p.untyped_storage().data_ptr(), start, start + p.numel() * p.element_size())
 
 
-def _first_nonfinite(named_grads: List[Tuple[str, Tensor]]) -> Optional[str]:
-    """The name of the first gradient that holds a NaN or an infinity, or None.
+def _first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
+                     ) -> Optional[Tuple[int, int, Tensor]]:
+    """The first (group index, index, tensor) whose gradient holds a NaN or an infinity.
 
-    One read of every gradient (its max-norm, which is NaN or inf exactly when the
-    gradient holds one) and one host sync per device."""
-    by_device: Dict[torch.device, List[Tuple[str, Tensor]]] = defaultdict(list)
-    for name, g in named_grads:
-        if g.numel():
-            by_device[g.device].append((name, g))
-    for items in by_device.values():
-        norms = torch._foreach_norm([g for _, g in items], math.inf)
-        finite = torch.stack(norms).isfinite()
-        if not bool(finite.all()):
-            return items[int((~finite).nonzero()[0])][0]
+    GradScaler's own check (one fused read of the gradients per device, multiplying
+    them by 1.0, which leaves every value as it was) and one host sync per device; the
+    gradient is named by a second pass, only when one is found."""
+    by_device: Dict[torch.device, List[Tuple[int, int, Tensor]]] = defaultdict(list)
+    for item in with_grads:
+        if item[2].numel():
+            by_device[item[2].device].append(item)
+    for device, items in by_device.items():
+        found = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [p.grad for _, _, p in items], found, torch.ones(1, device=device))
+        if bool(found):
+            return next(item for item in items if not bool(item[2].grad.isfinite().all()))
     return None
 
 
