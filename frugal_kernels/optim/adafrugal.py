@@ -61,7 +61,8 @@ class AdaFRUGAL(FRUGAL):
         loss_tolerance, gap_growth, loss_window: the loss-aware rule of T.
         dynamic_rho, dynamic_update_gap: switch a schedule on or off.
         **frugal_options: the other arguments of :class:`FRUGAL` (``betas``, ``eps``,
-            ``weight_decay``, ``projection``, ``state_free``, ``seed``, ``backend``...);
+            ``weight_decay``, ``projection``, ``state_free``, ``seed``, ``backend``,
+            ``nonfinite``...);
             ``density`` is ``rho_start``'s.
     """
 
