@@ -86,6 +86,10 @@ class FusedOptimizer(Optimizer):
     def _restore_bookkeeping(self, saved: dict) -> None:
         """Undo :meth:`_before_plan` with what :meth:`_bookkeeping` returned."""
 
+    def _after_plan(self) -> None:
+        """Called once the step's subspace changes and plan are in place (and the
+        snapshot that could undo them is gone)."""
+
     def _state_may_change(self) -> bool:
         """Whether :meth:`_before_plan` may change subspaces at this step (then the
         per-tensor state is snapshotted, so that a failed step can be undone)."""
@@ -223,6 +227,10 @@ class FusedOptimizer(Optimizer):
                 self.state = defaultdict(dict, saved_state)
             self._plan = None
             raise
+        # The snapshot held the state the step dropped: let it go before the hook,
+        # which may hand freed memory back to the OS.
+        del saved_state, generator_state
+        self._after_plan()
 
     def _apply(self, buckets: List[Bucket], grads: List[List[Tensor]]) -> None:
         for bucket, bucket_grads in zip(buckets, grads):

@@ -173,6 +173,11 @@ class FRUGAL(FusedOptimizer):
                 self._family(group).choose(self._subspace(gi, group))
                 self._plan = None
 
+    def _after_plan(self) -> None:
+        if self._last_change == self._steps_taken:
+            # The state the new subspaces dropped is free now: hand it back to the OS.
+            release_freed_memory()
+
     def _state_may_change(self) -> bool:
         return (self._last_change is None
                 or self._steps_taken + 1 - self._last_change >= self._update_gap
@@ -196,7 +201,6 @@ class FRUGAL(FusedOptimizer):
             if group["projected"]:
                 self._family(group).choose(self._subspace(gi, group))
         self._plan = None
-        release_freed_memory()
         self.history.append({"step": self._steps_taken, "rho": self._current_density(),
                              "update_gap": self._update_gap, "reason": reason})
 
