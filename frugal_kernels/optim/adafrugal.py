@@ -7,6 +7,7 @@ from typing import Any, Iterable, List, Optional
 
 from torch import Tensor
 
+from frugal_kernels.optim.base import check_int, check_number
 from frugal_kernels.optim.frugal import FRUGAL
 
 __all__ = ["AdaFRUGAL"]
@@ -60,7 +61,8 @@ class AdaFRUGAL(FRUGAL):
         loss_tolerance, gap_growth, loss_window: the loss-aware rule of T.
         dynamic_rho, dynamic_update_gap: switch a schedule on or off.
         **frugal_options: the other arguments of :class:`FRUGAL` (``betas``, ``eps``,
-            ``weight_decay``, ``projection``, ``state_free``, ``seed``, ``backend``...);
+            ``weight_decay``, ``projection``, ``state_free``, ``seed``, ``backend``,
+            ``nonfinite``...);
             ``density`` is ``rho_start``'s.
     """
 
@@ -83,18 +85,25 @@ class AdaFRUGAL(FRUGAL):
     ):
         if "density" in frugal_options:
             raise TypeError("AdaFRUGAL takes rho_start, rho_end and rho_steps, not density")
+        check_number(rho_start, "rho_start", "AdaFRUGAL")
+        check_number(rho_end, "rho_end", "AdaFRUGAL")
         if not 0.0 <= rho_end <= rho_start <= 1.0:
             raise ValueError(f"need 0 <= rho_end <= rho_start <= 1, got rho_start={rho_start}, "
                              f"rho_end={rho_end}")
-        if dynamic_rho and (rho_steps is None or rho_steps < 1):
+        if rho_steps is not None:
+            check_int(rho_steps, "rho_steps", 1, "AdaFRUGAL")
+        if dynamic_rho and rho_steps is None:
             raise ValueError("rho_steps (the steps over which rho decays, usually the length of "
                              "training) must be a positive int when dynamic_rho=True; pass "
                              "dynamic_rho=False for a static rho")
+        check_int(update_gap, "update_gap", 1, "AdaFRUGAL")
+        check_int(update_gap_max, "update_gap_max", 1, "AdaFRUGAL")
         if update_gap_max < update_gap:
             raise ValueError(f"update_gap_max ({update_gap_max}) must be >= update_gap "
                              f"({update_gap})")
-        if gap_growth < 1.0 or loss_tolerance < 0.0 or loss_window < 2:
-            raise ValueError("need gap_growth >= 1, loss_tolerance >= 0 and loss_window >= 2")
+        check_number(gap_growth, "gap_growth", "AdaFRUGAL", low=1.0)
+        check_number(loss_tolerance, "loss_tolerance", "AdaFRUGAL")
+        check_int(loss_window, "loss_window", 2, "AdaFRUGAL")
         self.rho_start, self.rho_end, self.rho_steps = float(rho_start), float(rho_end), rho_steps
         self.update_gap_max = int(update_gap_max)
         self.loss_tolerance = float(loss_tolerance)
@@ -122,6 +131,13 @@ class AdaFRUGAL(FRUGAL):
     def _change_subspace(self, reason: str) -> None:
         self._rho_scale = self._next_rho_scale
         super()._change_subspace(reason)
+
+    def _bookkeeping(self) -> dict:
+        return {**super()._bookkeeping(), "rho_scale": self._rho_scale}
+
+    def _restore_bookkeeping(self, saved: dict) -> None:
+        super()._restore_bookkeeping(saved)
+        self._rho_scale = saved["rho_scale"]
 
     def observe_loss(self, value: float | Tensor) -> None:
         """Feed one (validation or smoothed training) loss to the dynamic-T rule."""
@@ -173,11 +189,17 @@ class AdaFRUGAL(FRUGAL):
         return {"rho_scale": self._rho_scale, "next_rho_scale": self._next_rho_scale,
                 "losses": list(self._losses)}
 
-    def _check_state_dict(self, state_dict: dict) -> None:
-        super()._check_state_dict(state_dict)
-        if "rho_scale" not in state_dict["frugal"]:
-            raise ValueError("this state dict was saved by FRUGAL, not AdaFRUGAL: it has no "
-                             "schedule state to resume")
+    _schedule_keys = ("rho_scale", "next_rho_scale", "losses")
+
+    def _check_extra(self, extra: dict) -> None:
+        super()._check_extra(extra)
+        try:
+            for key in ("rho_scale", "next_rho_scale"):
+                check_number(extra[key], key, "the state dict's 'frugal' entry")
+            for loss in extra["losses"]:
+                check_number(loss, "losses", "the state dict's 'frugal' entry", -math.inf)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
 
     def _load_schedule_state(self, extra: dict) -> None:
         self._rho_scale = float(extra["rho_scale"])

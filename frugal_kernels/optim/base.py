@@ -11,6 +11,7 @@ each tensor takes (:meth:`FusedOptimizer._assign`).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -23,9 +24,13 @@ from frugal_kernels.optim import plan
 from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
 
-__all__ = ["FusedOptimizer", "check_adamw_options"]
+__all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "check_adamw_options", "check_int",
+           "check_number"]
 
 _ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+# What a step does when a gradient holds a NaN or an infinity (see FusedOptimizer.step).
+NONFINITE_POLICIES = ("skip", "raise", "propagate")
 
 
 class FusedOptimizer(Optimizer):
@@ -33,11 +38,21 @@ class FusedOptimizer(Optimizer):
 
     _step_supports_amp_scaling = True
 
-    def __init__(self, params: Iterable, defaults: dict, backend: str):
+    def __init__(self, params: Iterable, defaults: dict, backend: str, nonfinite: str = "skip",
+                 seed: int = 0):
         if backend != "auto" and backend not in ops.BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
                              f"got {backend!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; "
+                             f"got {nonfinite!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.backend = backend
+        self.nonfinite = nonfinite
+        self.seed = seed
+        # The source of every random choice (subspaces): on the CPU, the same on every rank.
+        self._generator = torch.Generator().manual_seed(seed)
         self._plan: Optional[List[Bucket]] = None
         self._plan_key: Optional[tuple] = None
         self._lr_tensors: Dict[int, Tensor] = {}
@@ -57,6 +72,29 @@ class FusedOptimizer(Optimizer):
         """The rule of ``p`` (``group["params"][i]``, with a gradient), its state made ready."""
         raise NotImplementedError
 
+    def _check_group(self, group: dict, where: str, read_device: bool = False) -> None:
+        """Raise unless ``group``'s options are valid (when it is added, and at every
+        step: a user or a scheduler may have changed them; ``read_device``: a tensor lr
+        on a GPU may be read, a sync)."""
+        check_adamw_options(group, where, read_device)
+
+    def _bookkeeping(self) -> dict:
+        """What :meth:`_before_plan` may change besides ``self.state``: restored if the
+        step fails before its first write."""
+        return {}
+
+    def _restore_bookkeeping(self, saved: dict) -> None:
+        """Undo :meth:`_before_plan` with what :meth:`_bookkeeping` returned."""
+
+    def _after_plan(self) -> None:
+        """Called once the step's subspace changes and plan are in place (and the
+        snapshot that could undo them is gone)."""
+
+    def _state_may_change(self) -> bool:
+        """Whether :meth:`_before_plan` may change subspaces at this step (then the
+        per-tensor state is snapshotted, so that a failed step can be undone)."""
+        return True
+
     # ------------------------------------------------------------------ public
 
     def state_bytes(self) -> int:
@@ -65,7 +103,18 @@ class FusedOptimizer(Optimizer):
                    for value in st.values() if isinstance(value, Tensor))
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
+        gi = len(self.param_groups)
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else params
+        if isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, "
+                            "but the ordering of tensors in sets will change between runs; "
+                            "use a list")
+        params = list(params)
+        _check_new_params(params, gi, [(gj, i, p) for gj, g in enumerate(self.param_groups)
+                                       for i, p in enumerate(g["params"])])
+        self._check_group({**self.defaults, **param_group}, f"param group {gi}", True)
+        super().add_param_group({**param_group, "params": params})
         self._plan = None
 
     @torch.no_grad()
@@ -74,6 +123,20 @@ class FusedOptimizer(Optimizer):
 
         When driven by a GradScaler (``optimizer.found_inf`` set and non-zero)
         the step is skipped and nothing changes, schedules included.
+
+        A step is atomic: it checks everything it will touch (every group's
+        options and lr, every gradient against its parameter) before it changes
+        anything, and a step that raises leaves params, state, step counts,
+        subspaces, the generator and ``history`` as they were.
+
+        Non-finite gradients (NaN, +inf, -inf) follow ``self.nonfinite``:
+        ``"skip"`` skips the whole step (nothing changes, as a GradScaler's
+        skip), ``"raise"`` raises a ValueError naming the parameter (nothing
+        changes), ``"propagate"`` applies the step as the math says (NaN and
+        inf reach the params and moments). ``"skip"`` and ``"raise"`` cost one
+        pass reading the gradients (the max-norm of each, on its device) and
+        one host sync per device per step; a step driven by a GradScaler uses
+        the scaler's ``found_inf`` instead and pays nothing more.
         """
         loss = None
         if closure is not None:
@@ -97,16 +160,19 @@ class FusedOptimizer(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf.item()):
             return None
+        # Checks first, writes after: nothing below raises on what the user passed.
+        key, with_grads = self._check_step()
         grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is not None:
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, grad_scale.reciprocal())
-        self._before_plan()
-        key = tuple(p.grad is not None for g in self.param_groups for p in g["params"])
-        if self._plan is None or key != self._plan_key:
-            self._plan = plan.build(self.param_groups, self.state, self._assign, self._group_lr)
-            self._plan_key = key
+        if grad_scale is None and self.nonfinite != "propagate" and with_grads:
+            bad = _first_nonfinite(with_grads)
+            if bad is not None:
+                if self.nonfinite == "skip":
+                    return None
+                raise ValueError(f"{_param_name(*bad)} has a non-finite gradient (NaN or inf); "
+                                 "the step was not applied (nonfinite='raise')")
+        if grad_scale is not None and with_grads:
+            torch._foreach_mul_([p.grad for _, _, p in with_grads], grad_scale.reciprocal())
+        self._prepare_plan(key)
         for gi, group in enumerate(self.param_groups):
             if not isinstance(group["lr"], Tensor):
                 # A group whose tensors have no gradients yet has no bucket, so
@@ -116,6 +182,55 @@ class FusedOptimizer(Optimizer):
         if steps:
             torch._foreach_add_(steps, 1.0)
         return self._plan, [[p.grad for p in b.params] for b in self._plan]
+
+    def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]]]:
+        """Every per-step check, before anything changes: the groups' options (lr
+        values included) and each gradient against its parameter. What cannot
+        change between steps (duplicates, aliasing) is checked when a group is
+        added. Returns the plan's key (which tensors have gradients) and the
+        tensors with gradients, as (group index, index in the group, tensor)."""
+        key, with_grads = [], []
+        strided = torch.strided
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"param group {gi}")
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                key.append(g is not None)
+                if g is None:
+                    continue
+                # The cheap test of every step; torch's grad setter and autograd already
+                # hold a gradient to its parameter's shape and device (its dtype too,
+                # unless p.grad_dtype was cleared).
+                if g.layout is not strided or g.dtype is not p.dtype or not p.is_contiguous():
+                    _refuse_gradient(gi, i, p)
+                with_grads.append((gi, i, p))
+        return tuple(key), with_grads
+
+    def _prepare_plan(self, key: tuple) -> None:
+        """Subspace changes and the plan, undone if they raise (an svd that fails, say)."""
+        may_change = self._state_may_change() or self._plan is None or key != self._plan_key
+        # Copies of the per-tensor dicts, not of their tensors: choosing a subspace or
+        # building the plan replaces state tensors but never writes into them.
+        saved_state = {p: dict(st) for p, st in self.state.items()} if may_change else None
+        generator_state = self._generator.get_state() if may_change else None
+        saved = self._bookkeeping()
+        try:
+            self._before_plan()
+            if self._plan is None or key != self._plan_key:
+                self._plan = plan.build(self.param_groups, self.state, self._assign,
+                                        self._group_lr)
+                self._plan_key = key
+        except BaseException:
+            self._restore_bookkeeping(saved)
+            if may_change:
+                self._generator.set_state(generator_state)
+                self.state = defaultdict(dict, saved_state)
+            self._plan = None
+            raise
+        # The snapshot held the state the step dropped: let it go before the hook,
+        # which may hand freed memory back to the OS.
+        del saved_state, generator_state
+        self._after_plan()
 
     def _apply(self, buckets: List[Bucket], grads: List[List[Tensor]]) -> None:
         for bucket, bucket_grads in zip(buckets, grads):
@@ -181,12 +296,20 @@ def _check_saved_state(saved: dict, p: Tensor, pid: Any, family: Projection) -> 
     for key, value in saved.items():
         if key not in _ADAMW_STATE_KEYS + family.state_keys:
             raise ValueError(f"state of param {pid}: unknown entry {key!r}")
-        if key != "step" and not isinstance(value, Tensor):
+        if not isinstance(value, Tensor):
             raise ValueError(f"state of param {pid}: {key} is a {type(value).__name__}, "
                              "not a tensor")
+    reason = family.check_saved(saved, p)
+    if reason is not None:
+        raise ValueError(f"state of param {pid}: {reason}")
     m = saved.get("exp_avg")
     if m is None:
         return
+    step = saved.get("step")
+    if step is None or step.numel() != 1 or step.is_complex() or not (
+            math.isfinite(float(step)) and float(step) >= 0):
+        raise ValueError(f"state of param {pid}: its step count is missing or not a finite "
+                         f"count >= 0 ({step!r})")
     if m.dtype != torch.float32:
         raise ValueError(f"state of param {pid}: exp_avg has dtype {m.dtype}, not float32")
     if "exp_avg_sq" not in saved or tuple(saved["exp_avg_sq"].shape) != tuple(m.shape):
@@ -196,18 +319,121 @@ def _check_saved_state(saved: dict, p: Tensor, pid: Any, family: Projection) -> 
                          f"a parameter of shape {tuple(p.shape)}")
 
 
-def check_adamw_options(group: dict, where: str) -> None:
-    """Raise a ValueError unless ``group``'s lr, betas, eps and weight_decay are AdamW's."""
+_CONTIGUOUS_ADVICE = ("make it contiguous before building the optimizer: "
+                      "`with torch.no_grad(): param.data = param.data.contiguous()` "
+                      "(for a channels_last module: module.to(memory_format=torch.contiguous_format))")
+
+
+def _param_name(gi: int, i: int, p: Tensor) -> str:
+    return f"params[{i}] of param group {gi} (shape {tuple(p.shape)}, {p.dtype})"
+
+
+def _refuse_gradient(gi: int, i: int, p: Tensor) -> None:
+    """Raise the ValueError that says why ``p`` cannot take a step with its gradient."""
+    name, g = _param_name(gi, i, p), p.grad
+    if g.layout != torch.strided:
+        raise ValueError(f"{name} has a sparse gradient ({g.layout}); the fused ops take dense "
+                         "gradients (build the module with sparse=False, e.g. "
+                         "nn.Embedding(..., sparse=False))")
+    if not p.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (its .data was replaced after the optimizer "
+                         f"was built); {_CONTIGUOUS_ADVICE}")
+    raise ValueError(f"{name} has a gradient of dtype {g.dtype}, unlike its parameter; the "
+                     "fused ops take gradients of their parameter's dtype")
+
+
+def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int, Tensor]]) -> None:
+    """Refuse what the fused ops cannot update in place: a parameter listed twice (here
+    or in an earlier group), two parameters sharing memory, a non-contiguous parameter.
+    Checked once, when the group is added, not at every step."""
+    seen: Dict[int, str] = {id(p): _param_name(gj, i, p) for gj, i, p in existing}
+    spans = [(_span(p), _param_name(gj, i, p)) for gj, i, p in existing]
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, but params[{i}] of param "
+                            f"group {gi} is a {type(p).__name__}")
+        name = _param_name(gi, i, p)
+        if id(p) in seen:
+            raise ValueError(f"{name} is the same tensor as {seen[id(p)]}: a parameter may "
+                             "appear once in an optimizer (it would be updated twice)")
+        if not p.is_contiguous():
+            raise ValueError(f"{name} is not contiguous: the fused ops update parameters in "
+                             f"place and need them contiguous; {_CONTIGUOUS_ADVICE}")
+        span = _span(p)
+        for other_span, other in spans:
+            if span[0] == other_span[0] and span[1] < other_span[2] and other_span[1] < span[2]:
+                raise ValueError(f"{name} shares memory with {other} (views of one tensor): "
+                                 "each would be updated with the other's gradient; pass "
+                                 "separate tensors")
+        seen[id(p)] = name
+        spans.append((span, name))
+
+
+def _span(p: Tensor) -> Tuple[Any, int, int]:
+    """(storage, first byte, end byte) of a contiguous tensor."""
+    if p.numel() == 0:
+        return (None, 0, 0)  # an empty tensor overlaps nothing
+    start = p.storage_offset() * p.element_size()
+    return (p.untyped_storage().data_ptr(), start, start + p.numel() * p.element_size())
+
+
+def _first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
+                     ) -> Optional[Tuple[int, int, Tensor]]:
+    """The first (group index, index, tensor) whose gradient holds a NaN or an infinity.
+
+    GradScaler's own check (one fused read of the gradients per device, multiplying
+    them by 1.0, which leaves every value as it was) and one host sync per device; the
+    gradient is named by a second pass, only when one is found."""
+    by_device: Dict[torch.device, List[Tuple[int, int, Tensor]]] = defaultdict(list)
+    for item in with_grads:
+        if item[2].numel():
+            by_device[item[2].device].append(item)
+    for device, items in by_device.items():
+        found = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [p.grad for _, _, p in items], found, torch.ones(1, device=device))
+        if bool(found):
+            return next(item for item in items if not bool(item[2].grad.isfinite().all()))
+    return None
+
+
+def check_int(value: Any, name: str, low: int = 1, where: str = "") -> None:
+    """An int >= low (a bool is not an int here: ``update_gap=True`` is a mistake)."""
+    prefix = f"{where}: " if where else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{prefix}{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{prefix}{name} must be an int >= {low}, got {value!r}")
+
+
+def check_number(value: Any, name: str, where: str, low: float = 0.0) -> None:
+    """A real, finite number >= low (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and value >= low):
+        raise ValueError(f"{where}: {name} must be finite and >= {low:g}, got {value!r}")
+
+
+def check_adamw_options(group: dict, where: str, read_device: bool = False) -> None:
+    """Raise unless ``group``'s lr, betas, eps and weight_decay are valid AdamW options:
+    lr, eps and weight_decay finite and >= 0, betas a pair in [0, 1). A tensor lr is
+    checked by value where that needs no device sync (on the CPU, or ``read_device``)."""
     lr = group.get("lr")
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"{where}: a tensor lr must have one element")
-    elif not lr >= 0.0:
-        raise ValueError(f"{where}: lr must be >= 0, got {lr!r}")
-    beta1, beta2 = group.get("betas")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"{where}: betas must be in [0, 1), got {group.get('betas')!r}")
-    if not group.get("eps") >= 0.0:
-        raise ValueError(f"{where}: eps must be >= 0, got {group.get('eps')!r}")
-    if not group.get("weight_decay") >= 0.0:
-        raise ValueError(f"{where}: weight_decay must be >= 0, got {group.get('weight_decay')!r}")
+        if lr.is_complex() or lr.dtype == torch.bool:
+            raise TypeError(f"{where}: a tensor lr must be real, got dtype {lr.dtype}")
+        if read_device or lr.device.type == "cpu":
+            check_number(float(lr), "lr", where)
+    else:
+        check_number(lr, "lr", where)
+    betas = group.get("betas")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for beta in betas:
+        check_number(beta, "betas", where)
+        if not beta < 1.0:
+            raise ValueError(f"{where}: betas must be in [0, 1), got {tuple(betas)!r}")
+    check_number(group.get("eps"), "eps", where)
+    check_number(group.get("weight_decay"), "weight_decay", where)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from frugal_kernels._layout import STATE_FREE_RULES
-from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options
+from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check_int, check_number
 from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
 from frugal_kernels.optim.projections import DENSE, FAMILIES, Projection, Subspace
@@ -88,7 +88,12 @@ class FRUGAL(FusedOptimizer):
         state_free_lr_scale: s, the state-free step is ``lr * state_free_lr_scale``.
         reset_state: restart the moments at each subspace change.
         block_order: order of ``blocks``.
-        seed: seed of the optimizer's generator.
+        seed: seed of the optimizer's generator (an int).
+        nonfinite: what a step does when a gradient holds a NaN or an infinity:
+            ``"skip"`` (nothing changes, as a GradScaler's skip; one host sync per
+            step), ``"raise"`` (a ValueError naming the parameter, nothing changes;
+            one sync) or ``"propagate"`` (the step applies them: NaN reaches the params
+            and moments; no sync). See :meth:`FusedOptimizer.step`.
         backend: kernel backend of the ops (``"auto"``, ``"cpu"``, ``"cuda"``,
             ``"triton"``, ``"torch"``).
 
@@ -114,23 +119,21 @@ class FRUGAL(FusedOptimizer):
         block_order: str = "random",
         seed: int = 0,
         backend: str = "auto",
+        nonfinite: str = "skip",
     ):
-        if not isinstance(update_gap, int) or update_gap < 1:
-            raise ValueError(f"update_gap must be a positive int, got {update_gap!r}")
+        check_int(update_gap, "update_gap")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, projected=True,
                         density=density, projection=projection, state_free=state_free,
                         state_free_lr_scale=state_free_lr_scale, reset_state=reset_state,
                         block_order=block_order)
-        _check_group(defaults, "defaults")
-        self.seed = seed
-        self._generator = torch.Generator().manual_seed(seed)
+        self._check_group(defaults, "defaults", read_device=True)
         self._update_gap = update_gap
         self._steps_taken = 0
         self._last_change: Optional[int] = None
         # Per projected group (by index) whose subspace is chosen: its family's record.
         self._subspaces: Dict[int, dict] = {}
         self.history: List[dict] = []
-        super().__init__(params, defaults, backend)
+        super().__init__(params, defaults, backend, nonfinite, seed)
 
     @property
     def update_gap(self) -> int:
@@ -142,9 +145,8 @@ class FRUGAL(FusedOptimizer):
         """The density the projected groups use now."""
         return self._current_density()
 
-    def add_param_group(self, param_group: dict) -> None:
-        _check_group({**self.defaults, **param_group}, f"param group {len(self.param_groups)}")
-        super().add_param_group(param_group)
+    def _check_group(self, group: dict, where: str, read_device: bool = False) -> None:
+        _check_group(group, where, read_device)
 
     # ----------------------------------------------------------- subspace policy
 
@@ -171,6 +173,27 @@ class FRUGAL(FusedOptimizer):
                 self._family(group).choose(self._subspace(gi, group))
                 self._plan = None
 
+    def _after_plan(self) -> None:
+        if self._last_change == self._steps_taken:
+            # The state the new subspaces dropped is free now: hand it back to the OS.
+            release_freed_memory()
+
+    def _state_may_change(self) -> bool:
+        return (self._last_change is None
+                or self._steps_taken + 1 - self._last_change >= self._update_gap
+                or any(g["projected"] and gi not in self._subspaces
+                       for gi, g in enumerate(self.param_groups)))
+
+    def _bookkeeping(self) -> dict:
+        return {"steps_taken": self._steps_taken, "last_change": self._last_change,
+                "subspaces": {gi: _copy_record(r) for gi, r in self._subspaces.items()},
+                "history": len(self.history)}
+
+    def _restore_bookkeeping(self, saved: dict) -> None:
+        self._steps_taken, self._last_change = saved["steps_taken"], saved["last_change"]
+        self._subspaces = saved["subspaces"]
+        del self.history[saved["history"]:]
+
     def _change_subspace(self, reason: str) -> None:
         """Choose every projected group's state-full subspace again."""
         self._last_change = self._steps_taken
@@ -178,7 +201,6 @@ class FRUGAL(FusedOptimizer):
             if group["projected"]:
                 self._family(group).choose(self._subspace(gi, group))
         self._plan = None
-        release_freed_memory()
         self.history.append({"step": self._steps_taken, "rho": self._current_density(),
                              "update_gap": self._update_gap, "reason": reason})
 
@@ -208,11 +230,62 @@ class FRUGAL(FusedOptimizer):
     def _load_schedule_state(self, extra: dict) -> None:
         pass
 
+    # Keys of the "frugal" entry a subclass's schedules add (AdaFRUGAL's).
+    _schedule_keys: Tuple[str, ...] = ()
+
     def _check_state_dict(self, state_dict: dict) -> None:
         if "frugal" not in state_dict:
             raise ValueError("this state dict was not saved by a FRUGAL optimizer (no 'frugal' "
                              "entry); it cannot resume the subspaces and schedules")
         super()._check_state_dict(state_dict)
+        self._check_extra(state_dict["frugal"])
+
+    def _check_extra(self, extra: dict) -> None:
+        """Raise a ValueError unless the "frugal" entry can resume these groups."""
+        if not isinstance(extra, dict):
+            raise ValueError(f"the state dict's 'frugal' entry is a {type(extra).__name__}")
+        version = extra.get("version", 1)
+        records = ("subspaces",) if version >= 2 else ("chosen_groups", "active_blocks",
+                                                       "block_cursor")
+        needed = ("steps_taken", "last_change", "update_gap", "generator", "history") + records
+        missing = [k for k in needed + self._schedule_keys if k not in extra]
+        if missing and self._schedule_keys and all(k in missing for k in self._schedule_keys):
+            raise ValueError("this state dict was saved by FRUGAL, not AdaFRUGAL: it has no "
+                             "schedule state to resume")
+        if missing:
+            raise ValueError(f"the state dict's 'frugal' entry lacks {', '.join(missing)}")
+        unknown = sorted(set(extra) - set(needed + self._schedule_keys + ("version",)))
+        if unknown:
+            raise ValueError(f"the state dict's 'frugal' entry has entries this "
+                             f"{type(self).__name__} does not know: {', '.join(unknown)} (was it "
+                             "saved by AdaFRUGAL? load it into an AdaFRUGAL)")
+        try:
+            check_int(extra["steps_taken"], "steps_taken", 0)
+            if extra["last_change"] is not None:
+                check_int(extra["last_change"], "last_change", 1)
+            check_int(extra["update_gap"], "update_gap", 1)
+        except TypeError as e:
+            raise ValueError(f"the state dict's 'frugal' entry: {e}") from None
+        generator = extra["generator"]
+        try:
+            torch.Generator().set_state(generator)
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"the state dict's generator state cannot be restored: {e}") from None
+        if not isinstance(extra["history"], list) or not all(
+                isinstance(h, dict) for h in extra["history"]):
+            raise ValueError("the state dict's history must be a list of dicts")
+        for gi, record in _saved_subspaces(extra).items():
+            gi = int(gi)
+            if not 0 <= gi < len(self.param_groups) or not self.param_groups[gi]["projected"]:
+                raise ValueError(f"the state dict has a subspace for param group {gi}, which is "
+                                 "not a projected group here")
+            n = len(self.param_groups[gi]["params"])
+            active = record.get("active", [])
+            if list(active) != sorted(set(active)) or any(
+                    isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n
+                    for i in active):
+                raise ValueError(f"param group {gi}: the saved active blocks {list(active)} are "
+                                 f"not sorted unique ids of its {n} tensors")
 
     def _check_saved_group(self, gi: int, saved: dict, group: dict) -> None:
         for key in ("projected", "projection"):
@@ -246,7 +319,7 @@ def _saved_subspaces(extra: dict) -> dict:
     return records
 
 
-def _check_group(group: dict, where: str) -> None:
+def _check_group(group: dict, where: str, read_device: bool = False) -> None:
     if group.get("projection") not in PROJECTIONS:
         raise ValueError(f"{where}: projection must be one of {', '.join(PROJECTIONS)}; got "
                          f"{group.get('projection')!r}")
@@ -257,8 +330,8 @@ def _check_group(group: dict, where: str) -> None:
         raise ValueError(f"{where}: block_order must be one of {', '.join(BLOCK_ORDERS)}; got "
                          f"{group.get('block_order')!r}")
     density = group.get("density")
-    if not isinstance(density, (int, float)) or not 0.0 <= density <= 1.0:
+    check_number(density, "density", where)
+    if not density <= 1.0:
         raise ValueError(f"{where}: density must be in [0, 1], got {density!r}")
-    check_adamw_options(group, where)
-    if not group.get("state_free_lr_scale") >= 0.0:
-        raise ValueError(f"{where}: state_free_lr_scale must be >= 0")
+    check_adamw_options(group, where, read_device)
+    check_number(group.get("state_free_lr_scale"), "state_free_lr_scale", where)

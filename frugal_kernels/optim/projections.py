@@ -17,7 +17,7 @@ in :attr:`Subspace.record`, which the optimizer saves in its state dict.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, MutableMapping
+from typing import Dict, MutableMapping, Optional
 
 import torch
 from torch import Tensor
@@ -66,6 +66,11 @@ class Projection:
     def fits(self, saved: dict, p: Tensor) -> bool:
         """Whether a saved state with moments (``exp_avg``) belongs to ``p`` in this family."""
         raise NotImplementedError
+
+    def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
+        """Why the family's entries of a saved state (``state_keys``, moments or not)
+        cannot serve ``p``, or None when they can."""
+        return None
 
 
 class Dense(Projection):
@@ -137,6 +142,20 @@ class CoordinateSubset(Projection):
         return "indices" in saved and tuple(saved["exp_avg"].shape) == subset_state_shape(
             p, self._subset_kind(p), saved["indices"].numel())
 
+    def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
+        ids = saved.get("indices")
+        if ids is None:
+            return "indices are missing beside the moments" if "exp_avg" in saved else None
+        if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+            return f"indices must be a 1-D int32 or int64 tensor, got {ids.dtype} {tuple(ids.shape)}"
+        dim = subset_dim(p, self._subset_kind(p))
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= dim):
+            return (f"indices range over [{int(ids.min())}, {int(ids.max())}], beyond the "
+                    f"{dim} {self.subset_kind} of a parameter of shape {tuple(p.shape)}")
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            return "indices must be sorted and unique"
+        return None
+
 
 def _carry_moments(st: dict, indices: Tensor, shape, dim: int) -> None:
     """reset_state=False: coordinates in both the old and the new subset keep their
@@ -205,6 +224,23 @@ class LowRank(Projection):
         rank = projection_rank(projection, side)
         return (tuple(projection.shape) == projection_shapes(p.shape, rank, side)[0]
                 and tuple(saved["exp_avg"].shape) == lowrank_state_shape(p.shape, rank))
+
+    def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
+        projection = saved.get("projection")
+        if p.dim() < 2:
+            return None if projection is None else "a projection for a tensor of < 2 dims"
+        if projection is None:
+            return "the projection is missing beside the moments" if "exp_avg" in saved else None
+        side = lowrank_side(p.shape)
+        if projection.dim() != 2 or projection.dtype != torch.float32:
+            return f"the projection must be a 2-D float32 matrix, got {projection.dtype} " \
+                   f"{tuple(projection.shape)}"
+        rank = projection_rank(projection, side)
+        if not rank <= lowrank_dim(p.shape) or \
+                tuple(projection.shape) != projection_shapes(p.shape, rank, side)[0]:
+            return (f"a projection of shape {tuple(projection.shape)} does not fit a parameter "
+                    f"of shape {tuple(p.shape)}")
+        return None
 
 
 DENSE = Dense()
