@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from frugal_kernels._layout import back_project
+from frugal_kernels._layout import back_project, matrix_shape
 
 __all__ = ["adamw_", "sign_sgd_", "frugal_step_", "lowrank_step_"]
 
@@ -156,8 +156,9 @@ def lowrank_step_(
     ``low_update`` the (already lr-scaled) AdamW update in the subspace.
     """
     for p, g, u, lg, proj, side in zip(params, grads, low_updates, low_grads, projections, sides):
-        m = p.shape[0]
-        p32, g32 = p.float().reshape(m, -1), g.float().reshape(m, -1)
+        # [m, rest] spelled out: reshape(m, -1) is ambiguous for a tensor of 0 rows.
+        mn = matrix_shape(p.shape)
+        p32, g32 = p.float().reshape(mn), g.float().reshape(mn)
 
         residual = g32 - back_project(lg, proj, side)
         new_p = _state_free_update(p32, residual, lr=lr, weight_decay=weight_decay,

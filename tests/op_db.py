@@ -58,10 +58,6 @@ class SampleInput:
     first_step: int = 1
     dtypes: Tuple[torch.dtype, ...] = DTYPES
     compare: Optional[Compare] = None  # None: the op's own comparison
-    # The outputs must equal the inputs (tensors with nothing to update) and the
-    # reference is not consulted: set only where the reference cannot run the
-    # sample, with a strict xfail beside the op's tests that tracks the fix.
-    expect_unchanged: bool = False
 
 
 @dataclass(frozen=True)
@@ -522,10 +518,7 @@ LOWRANK_STEP = OpInfo(
                       _lowrank_one(shape, rank, side, state_free=rule))
           for shape, rank, side in LOWRANK_SHAPES for rule in STATE_FREE_RULES),
         SampleInput("many tensors", _lowrank_many, dtypes=FP32, compare=compare_allclose),
-        # reference.lowrank_step_ cannot view a tensor of 0 rows as [0, -1]
-        # (tests/ops/test_lowrank_step.py tracks it).
-        *(SampleInput(f"empty {shape} {_side_name(side)}", _lowrank_empty(shape, side),
-                      expect_unchanged=shape[0] == 0)
+        *(SampleInput(f"empty {shape} {_side_name(side)}", _lowrank_empty(shape, side))
           for shape, side in LOWRANK_EMPTY),
     ),
     error_inputs=_lowrank_errors(),

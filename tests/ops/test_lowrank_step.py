@@ -23,11 +23,11 @@ def test_update_by_hand():
     assert torch.allclose(p, expected, atol=1e-7)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="reference.lowrank_step_ reshapes a tensor of 0 rows to [0, -1], "
-                          "which torch refuses; when fixed, drop expect_unchanged in "
-                          "tests/op_db.py and this test")
 @pytest.mark.parametrize("shape,side", [(s, d) for s, d in LOWRANK_EMPTY if s[0] == 0], ids=str)
 def test_reference_takes_tensors_of_zero_rows(shape, side):
     sample = next(s for s in LOWRANK_STEP.samples if s.name.startswith(f"empty {shape}"))
-    LOWRANK_STEP.run(reference.lowrank_step_, sample.make(torch.float32, "torch"), sample)
+    call = sample.make(torch.float32, "torch")
+    before = [p.clone() for p in call[0][0]]
+    (params,) = LOWRANK_STEP.run(reference.lowrank_step_, call, sample)
+    assert [p.shape for p in params] == [b.shape for b in before]
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
