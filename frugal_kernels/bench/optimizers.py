@@ -2,10 +2,14 @@
 
 Peers measured in the same run: torch.optim.AdamW (fused and foreach), a
 per-parameter loop written like the FRUGAL paper's code, and, when installed,
-bitsandbytes / torchao 8-bit and 4-bit AdamW.
+bitsandbytes / torchao 8-bit and 4-bit AdamW. BAdam is measured with one layer
+active, on its own copy of the parameter set: it clears the gradients and
+requires_grad flags of the blocks it does not train, which the others need.
 """
 
 from __future__ import annotations
+
+import copy
 
 from typing import Callable, Dict, List, Optional
 
@@ -71,6 +75,16 @@ class PaperStyleFRUGAL(torch.optim.Optimizer):
                 p.add_(m / denom * (-step_size))
 
 
+def badam_one_layer(model: nn.Module, **hyper) -> fk.BAdam:
+    """BAdam on a copy of ``model`` with its first layer active for good (the switch
+    is never due), holding gradients for that layer only, as after a backward pass."""
+    own = copy.deepcopy(model)
+    opt = fk.BAdam(own, switch_every=2**31 - 1, switch_mode="ascending", **hyper)
+    for p in opt.param_groups[opt.active_block_index]["params"]:
+        p.grad = torch.randn_like(p)
+    return opt
+
+
 def _all_projected(model):
     return [{"params": list(model.parameters()), "projected": True}]
 
@@ -89,6 +103,7 @@ def optimizer_factories(model: nn.Module) -> Dict[str, Callable[[], torch.optim.
                                             projection="columns", **hyper),
         "paper_loop_blocks": lambda: PaperStyleFRUGAL(fk.param_groups(model), density=0.25,
                                                       **hyper),
+        "badam_one_layer": lambda: badam_one_layer(model, **hyper),
     }
     for name, factory in _optional_peers(model, hyper).items():
         factories[name] = factory
@@ -140,6 +155,7 @@ def state_bytes(model: nn.Module) -> List[dict]:
         "AdaFRUGAL start (rho=0.25)": lambda: fk.AdaFRUGAL(fk.param_groups(model), rho_start=0.25,
                                                            rho_end=0.05, rho_steps=2, update_gap=1,
                                                            **hyper),
+        "BAdam (one layer active)": lambda: badam_one_layer(model, **hyper),
     }
     rows = []
     for name, make in configs.items():
@@ -155,9 +171,13 @@ def state_bytes(model: nn.Module) -> List[dict]:
 
 
 def _state_row(name, opt, n) -> dict:
+    """State bytes, and the bytes of the gradients the optimizer's parameters hold
+    during its step (all of them but BAdam's inactive blocks)."""
     total = opt.state_bytes() if hasattr(opt, "state_bytes") else torch_state_bytes(opt)
+    grads = sum(p.grad.untyped_storage().nbytes() for g in opt.param_groups for p in g["params"]
+                if p.grad is not None)
     return {"optimizer": name, "state_bytes": total, "bytes_per_param": total / n,
-            "state_mb": total / 2**20}
+            "state_mb": total / 2**20, "grad_bytes": grads, "grad_mb": grads / 2**20}
 
 
 def step_times(model: nn.Module, *, rounds: int = 10, names: Optional[List[str]] = None) -> dict:

@@ -1,0 +1,526 @@
+"""BAdam: block coordinate descent with AdamW on one block at a time (DESIGN.md section 1)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from frugal_kernels import ops
+from frugal_kernels.optim.memory import release_freed_memory
+
+__all__ = ["BAdam", "SWITCH_MODES"]
+
+SWITCH_MODES = ("random", "ascending", "descending", "fixed")
+
+# A transformer layer is the prefix up to its index: "model.layers.3" (HF Llama and
+# frugal_kernels.model), "transformer.h.3" (GPT-2). The index must be followed by a dot,
+# so "layers.1." is never a prefix of "layers.10.".
+_LAYER = re.compile(r"^((?:.*\.)?(?:layers|h)\.\d+)\.")
+_EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|wte|wpe|embeddings?)\.")
+_HEAD = re.compile(r"(?:^|\.)lm_head\.")
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
+
+BlockSpec = Union[Dict[str, Sequence[str]], Sequence[Sequence[str]]]
+
+
+class BAdam(torch.optim.Optimizer):
+    """Train one block of parameters at a time with AdamW (BAdam, NeurIPS 2024).
+
+    The parameters are split into blocks; only the active block trains, for
+    ``switch_every`` steps, then the next block takes over. Inactive blocks have
+    ``requires_grad=False``, ``grad=None`` and no state, so backward computes no
+    weight gradient for them; parameters outside every block stay frozen. The active
+    block is stepped by the fused :func:`frugal_kernels.ops.adamw_`, one call per
+    (dtype, device) group, with moments created at its first step and dropped (and
+    the freed memory handed back to the OS) at the switch, so ``state_bytes()``
+    counts the active block only. Each block starts its AdamW afresh: moments at
+    zero and bias correction from step 1, as a new ``torch.optim.AdamW`` would.
+
+    Args:
+        model_or_named_parameters: an ``nn.Module`` or an iterable of
+            ``(name, parameter)`` pairs (``model.named_parameters()``).
+        lr, betas, eps, weight_decay: AdamW's (decoupled weight decay). ``lr``
+            lives in ``param_groups`` (one group per block, with its ``"block"``
+            name), so LR schedulers work as with any torch optimizer.
+        switch_every: steps each block trains before the switch (settable:
+            ``opt.switch_every = n`` takes effect from the current block).
+        switch_mode: ``"random"`` (every block once per epoch of blocks, a new
+            permutation each epoch from the optimizer's own generator seeded by
+            ``seed``), ``"ascending"``, ``"descending"`` (block order, cycling) or
+            ``"fixed"`` (cycling through ``order``).
+        blocks: None for one block per transformer layer, found by name
+            (``model.layers.N.`` of HF Llama and ``frugal_kernels.model``,
+            ``h.N.`` of GPT-2), in model order; or the blocks, as a dict of block
+            name to entries or a list of entry lists (named ``"block0"``, ...).
+            An entry is a parameter's name or else a regular expression that must
+            match whole names (``re.fullmatch``).
+        include_embedding, include_head: with ``blocks=None``, add a block
+            ``"embedding"`` (first) of the embedding tables and a block ``"head"``
+            (last) of ``lm_head``. Otherwise they are frozen, as are the final norm
+            and anything else outside every block.
+        order: the block order of ``"fixed"``, as block names or indices (default:
+            the order of the blocks); not allowed with the other modes.
+        seed: seeds the generator of ``"random"`` (saved in the state dict).
+        backend: the backend of the fused op (``"auto"``, ``"cpu"``, ``"cuda"``,
+            ``"triton"``, ``"torch"``).
+
+    bf16 / fp16 parameters get an fp32 master copy for the active block only
+    (``state["master"]``, 4 bytes per active parameter beside the 8 of the moments,
+    plus an fp32 copy of the block's gradient during the step); the update runs on
+    it and is rounded back into the parameter after every step.
+
+    ``opt.active_block`` is the active block's name (``opt.active_block_index`` its
+    index in ``opt.block_names``); ``opt.history`` lists the switches (step, block,
+    reason) and switch_every changes. :meth:`apply_governor` lengthens
+    ``switch_every`` on a :class:`frugal_kernels.Governor` reallocation.
+
+    Example::
+
+        opt = frugal_kernels.BAdam(model, lr=1e-5, switch_every=100)
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        model_or_named_parameters: Union[nn.Module, Iterable[Tuple[str, Tensor]]],
+        lr: float | Tensor = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        switch_every: int = 50,
+        switch_mode: str = "random",
+        blocks: Optional[BlockSpec] = None,
+        include_embedding: bool = False,
+        include_head: bool = False,
+        order: Optional[Sequence[Union[str, int]]] = None,
+        seed: int = 0,
+        backend: str = "auto",
+    ):
+        # Everything is checked before any parameter is touched.
+        _check_switch_every(switch_every)
+        if switch_mode not in SWITCH_MODES:
+            raise ValueError(f"switch_mode must be one of {', '.join(SWITCH_MODES)}; "
+                             f"got {switch_mode!r}")
+        if backend != "auto" and backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
+                             f"got {backend!r}")
+        _check_hyper(lr, betas, eps, weight_decay)
+        if isinstance(model_or_named_parameters, nn.Module):
+            named = list(model_or_named_parameters.named_parameters())
+        else:
+            named = list(model_or_named_parameters)
+        names, block_params = _resolve_blocks(named, blocks, include_embedding, include_head)
+        if order is not None and switch_mode != "fixed":
+            raise ValueError(f"order is for switch_mode='fixed', not {switch_mode!r}")
+        fixed = _resolve_order(order, names) if switch_mode == "fixed" else None
+
+        self.block_names: List[str] = names
+        self.switch_mode = switch_mode
+        self.backend = backend
+        self.seed = seed
+        self._generator = torch.Generator().manual_seed(seed)
+        self._fixed_order = fixed
+        self._switch_every = switch_every
+        self._steps_taken = 0
+        self._block_steps = 0  # steps of the active block since its switch
+        self._epoch: List[int] = []  # block order of the current pass over the blocks
+        self._cursor = 0  # position of the active block in _epoch
+        self.history: List[dict] = []
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__([{"params": ps, "block": n} for n, ps in zip(names, block_params)],
+                         defaults)
+
+        in_blocks = {id(p) for ps in block_params for p in ps}
+        for _, p in named:
+            if id(p) not in in_blocks:
+                _deactivate(p)
+        for ps in block_params:
+            for p in ps:
+                _deactivate(p)
+        self._epoch = self._new_epoch()
+        self._activate(self._epoch[0])
+        self.history.append({"step": 0, "block": self.active_block, "reason": "initial"})
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def active_block(self) -> str:
+        """The name of the block that trains now."""
+        return self.block_names[self.active_block_index]
+
+    @property
+    def active_block_index(self) -> int:
+        """The index in ``block_names`` (and ``param_groups``) of the active block."""
+        return self._epoch[self._cursor]
+
+    @property
+    def switch_every(self) -> int:
+        """Steps each block trains; setting it applies to the active block too."""
+        return self._switch_every
+
+    @switch_every.setter
+    def switch_every(self, value: int) -> None:
+        _check_switch_every(value)
+        self._switch_every = value
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state allocated right now (the active block's only)."""
+        return sum(v.untyped_storage().nbytes() for st in self.state.values()
+                   for v in st.values() if isinstance(v, Tensor))
+
+    def apply_governor(self, decision: Any) -> None:
+        """Take a :class:`frugal_kernels.Governor` reallocation: multiply
+        ``switch_every`` by ``decision.suggestion["switch_every_factor"]``, or, when
+        that key is absent, by the Governor's default ``"update_gap_factor"`` (BAdam's
+        switch interval plays the part of FRUGAL's T). Factors <= 1 change nothing."""
+        suggestion = getattr(decision, "suggestion", None) or {}
+        factor = float(suggestion.get("switch_every_factor",
+                                      suggestion.get("update_gap_factor", 1.0)))
+        if factor <= 1.0:
+            return
+        new = math.ceil(self._switch_every * factor)
+        self.history.append({"step": self._steps_taken, "block": self.active_block,
+                             "reason": f"governor: switch_every {self._switch_every} -> {new}"})
+        self._switch_every = new
+
+    def add_param_group(self, param_group: dict) -> None:
+        if len(self.param_groups) == len(self.block_names):
+            raise ValueError("BAdam's param groups are its blocks, fixed at construction")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        """Update the active block, then switch blocks when its ``switch_every``
+        steps are done (before the next forward, so that backward already skips the
+        block that stopped). ``closure`` re-evaluates the model and returns the loss.
+
+        Driven by a GradScaler (``found_inf`` set and non-zero) the step is skipped
+        and nothing changes, the schedule included; ``grad_scale`` is divided out of
+        the gradients first otherwise.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item()):
+            return loss
+        group = self.param_groups[self.active_block_index]
+        params = [p for p in group["params"] if p.grad is not None]
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None and params:
+            torch._foreach_mul_([p.grad for p in params], grad_scale.reciprocal())
+        self._steps_taken += 1
+        self._block_steps += 1
+        if params:
+            self._update(group, params)
+        if self._block_steps >= self._switch_every:
+            self._switch("switch_every")
+        return loss
+
+    # ------------------------------------------------------------------ update
+
+    def _update(self, group: dict, params: List[Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        by_kind: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = defaultdict(list)
+        for p in params:
+            by_kind[(p.dtype, p.device)].append(p)
+        for (dtype, _), ps in by_kind.items():
+            states = [self._state_of(p) for p in ps]
+            if dtype == torch.float32:
+                targets, grads = ps, [p.grad for p in ps]
+            else:
+                targets = [st["master"] for st in states]
+                grads = [p.grad.float() for p in ps]
+            ops.adamw_(targets, grads, [st["exp_avg"] for st in states],
+                       [st["exp_avg_sq"] for st in states], lr=group["lr"], beta1=beta1,
+                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                       step=self._block_steps, backend=self.backend)
+            if dtype != torch.float32:
+                torch._foreach_copy_(ps, targets)
+
+    def _state_of(self, p: Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
+                                             memory_format=torch.contiguous_format)
+            st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
+            if p.dtype != torch.float32:
+                st["master"] = p.detach().float().contiguous()
+        return st
+
+    # ---------------------------------------------------------------- schedule
+
+    def _new_epoch(self) -> List[int]:
+        n = len(self.block_names)
+        if self.switch_mode == "random":
+            return torch.randperm(n, generator=self._generator).tolist()
+        if self.switch_mode == "ascending":
+            return list(range(n))
+        if self.switch_mode == "descending":
+            return list(reversed(range(n)))
+        return list(self._fixed_order)
+
+    def _switch(self, reason: str) -> None:
+        for p in self.param_groups[self.active_block_index]["params"]:
+            _deactivate(p)
+        self.state = defaultdict(dict)
+        release_freed_memory()
+        self._cursor += 1
+        if self._cursor == len(self._epoch):
+            self._epoch = self._new_epoch()
+            self._cursor = 0
+        self._block_steps = 0
+        self._activate(self.active_block_index)
+        self.history.append({"step": self._steps_taken, "block": self.active_block,
+                             "reason": reason})
+
+    def _activate(self, index: int) -> None:
+        for p in self.param_groups[index]["params"]:
+            p.requires_grad_(True)
+
+    # ------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """torch's layout (``state`` holds tensors only: exp_avg, exp_avg_sq and, for
+        low-precision params, master) plus ``"badam"``: block names, the current
+        epoch's order and position, step counts, switch_every, the generator state
+        and the history. Everything loads with ``torch.load(weights_only=True)``."""
+        sd = super().state_dict()
+        sd["badam"] = {
+            "version": 1,
+            "block_names": list(self.block_names),
+            "switch_mode": self.switch_mode,
+            "epoch": list(self._epoch),
+            "cursor": self._cursor,
+            "steps_taken": self._steps_taken,
+            "block_steps": self._block_steps,
+            "switch_every": self._switch_every,
+            "generator": self._generator.get_state(),
+            "history": [dict(h) for h in self.history],
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume exactly from :meth:`state_dict` (the model's parameters are the
+        caller's to restore), or raise a ValueError that says why the checkpoint does
+        not fit this optimizer; nothing is changed then."""
+        extra = state_dict.get("badam")
+        if extra is None:
+            raise ValueError("this state dict was not saved by BAdam (no 'badam' entry); it "
+                             "cannot resume the block schedule")
+        n = len(self.block_names)
+        if list(extra["block_names"]) != self.block_names:
+            raise ValueError(f"the state dict's blocks {list(extra['block_names'])} are not "
+                             f"this optimizer's {self.block_names}")
+        if extra["switch_mode"] != self.switch_mode:
+            raise ValueError(f"the state dict was saved with switch_mode "
+                             f"{extra['switch_mode']!r}, this optimizer uses "
+                             f"{self.switch_mode!r}")
+        epoch = [int(i) for i in extra["epoch"]]
+        cursor = int(extra["cursor"])
+        blocks_of_epoch = list(range(n)) if self._fixed_order is None else self._fixed_order
+        if sorted(epoch) != sorted(blocks_of_epoch) or not 0 <= cursor < len(epoch):
+            raise ValueError(f"the state dict's block order {epoch} (position {cursor}) is not "
+                             f"an order of this optimizer's blocks {sorted(blocks_of_epoch)}")
+        _check_switch_every(extra["switch_every"])
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != n:
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, this "
+                             f"optimizer {n} blocks")
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"block {group['block']!r} has {len(group['params'])} params "
+                                 f"but the state dict's has {len(saved['params'])}")
+        active = epoch[cursor]
+        saved_state = state_dict["state"]
+        pairs = [(pid, p) for saved, group in zip(saved_groups, self.param_groups)
+                 for pid, p in zip(saved["params"], group["params"])]
+        active_ids = set(saved_groups[active]["params"])
+        for pid, p in pairs:
+            if pid in saved_state:
+                if pid not in active_ids:
+                    raise ValueError(f"the state dict holds state for param {pid}, which is "
+                                     "not in the active block")
+                _check_saved_state(saved_state[pid], p, pid)
+        generator = torch.Generator()
+        generator.set_state(extra["generator"])
+
+        # torch's loader would cast the fp32 moments and master copies to the
+        # parameters' dtype: load the groups through it and the state here.
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        self.state = defaultdict(dict)
+        for pid, p in pairs:
+            if pid in saved_state:
+                self.state[p] = {k: v.to(p.device, copy=True)
+                                 for k, v in saved_state[pid].items()}
+        self._epoch, self._cursor = epoch, cursor
+        self._steps_taken = int(extra["steps_taken"])
+        self._block_steps = int(extra["block_steps"])
+        self._switch_every = int(extra["switch_every"])
+        self._generator = generator
+        self.history = [dict(h) for h in extra["history"]]
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if gi == active:
+                    p.requires_grad_(True)
+                else:
+                    _deactivate(p)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _deactivate(p: Tensor) -> None:
+    p.grad = None
+    p.requires_grad_(False)
+
+
+def _check_switch_every(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"switch_every must be a positive int, got {value!r}")
+
+
+def _check_hyper(lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError("a tensor lr must have one element")
+    elif not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr!r}")
+    beta1, beta2 = betas
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got {betas!r}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+
+
+def _resolve_blocks(named: List[Tuple[str, Tensor]], blocks: Optional[BlockSpec],
+                    include_embedding: bool, include_head: bool
+                    ) -> Tuple[List[str], List[List[Tensor]]]:
+    """Block names and their parameters, in block order; ValueError on a bad spec."""
+    if not named:
+        raise ValueError("BAdam got no parameters")
+    if blocks is None:
+        spec = _default_blocks([n for n, _ in named], include_embedding, include_head)
+    else:
+        if include_embedding or include_head:
+            raise ValueError("include_embedding / include_head apply to the default blocks; "
+                             "with blocks=... list those parameters in a block")
+        if isinstance(blocks, dict):
+            spec = {str(k): list(v) for k, v in blocks.items()}
+        else:
+            spec = {f"block{i}": list(v) for i, v in enumerate(blocks)}
+        for name, entries in spec.items():
+            if not entries or any(not isinstance(e, str) for e in entries):
+                raise ValueError(f"block {name!r} must be a non-empty list of parameter names "
+                                 f"or patterns, got {entries!r}")
+    if not spec:
+        raise ValueError("BAdam got no blocks")
+    by_name = dict(named)
+    owner: Dict[str, str] = {}
+    out_names, out_params = [], []
+    for block, entries in spec.items():
+        members: List[str] = []
+        for entry in entries:
+            if entry in by_name:
+                matched = [entry]
+            else:
+                try:
+                    pattern = re.compile(entry)
+                except re.error as err:
+                    raise ValueError(f"block {block!r}: {entry!r} is neither a parameter name "
+                                     f"nor a regular expression ({err})") from None
+                matched = [n for n in by_name if pattern.fullmatch(n)]
+            if not matched:
+                raise ValueError(f"block {block!r}: {entry!r} matches no parameter name")
+            for n in matched:
+                if owner.get(n, block) != block:
+                    raise ValueError(f"parameter {n!r} is in two blocks: {owner[n]!r} and "
+                                     f"{block!r}")
+                if n not in owner:
+                    owner[n] = block
+                    members.append(n)
+        out_names.append(block)
+        out_params.append([by_name[n] for n in members])
+    for block, ps in zip(out_names, out_params):
+        if not ps:
+            raise ValueError(f"block {block!r} is empty")
+        if any(not p.is_floating_point() for p in ps):
+            raise ValueError(f"block {block!r} holds a non-floating-point tensor")
+    return out_names, out_params
+
+
+def _default_blocks(names: List[str], include_embedding: bool, include_head: bool
+                    ) -> Dict[str, List[str]]:
+    layers: Dict[str, List[str]] = {}
+    embedding, head = [], []
+    for n in names:
+        match = _LAYER.match(n)
+        if match:
+            layers.setdefault(match.group(1), []).append(n)
+        elif _EMBEDDING.search(n):
+            embedding.append(n)
+        elif _HEAD.search(n):
+            head.append(n)
+    if not layers:
+        raise ValueError("found no transformer layers by name (model.layers.N. or h.N.); give "
+                         "the blocks with blocks=...")
+    spec: Dict[str, List[str]] = {}
+    if include_embedding:
+        if not embedding:
+            raise ValueError("include_embedding=True but no embedding parameter was found")
+        spec["embedding"] = embedding
+    spec.update(layers)
+    if include_head:
+        if not head:
+            raise ValueError("include_head=True but no lm_head parameter was found (a head "
+                             "tied to the embedding is trained with the embedding block)")
+        spec["head"] = head
+    return spec
+
+
+def _resolve_order(order: Optional[Sequence[Union[str, int]]], names: List[str]) -> List[int]:
+    if order is None:
+        return list(range(len(names)))
+    indices = []
+    for entry in order:
+        if isinstance(entry, str):
+            if entry not in names:
+                raise ValueError(f"order names an unknown block {entry!r}")
+            indices.append(names.index(entry))
+        elif isinstance(entry, int) and not isinstance(entry, bool) and 0 <= entry < len(names):
+            indices.append(entry)
+        else:
+            raise ValueError(f"order entry {entry!r} is neither a block name nor an index in "
+                             f"[0, {len(names)})")
+    if not indices:
+        raise ValueError("order is empty")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"order repeats a block: {list(order)!r}")
+    return indices
+
+
+def _check_saved_state(saved: dict, p: Tensor, pid: Any) -> None:
+    if not saved:
+        return
+    for key, value in saved.items():
+        if key not in _STATE_KEYS:
+            raise ValueError(f"state of param {pid}: unknown entry {key!r}")
+        if not isinstance(value, Tensor) or value.dtype != torch.float32:
+            raise ValueError(f"state of param {pid}: {key} must be a float32 tensor")
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"state of param {pid}: {key} has shape {tuple(value.shape)}, the "
+                             f"param {tuple(p.shape)}")
+    if "exp_avg" not in saved or "exp_avg_sq" not in saved:
+        raise ValueError(f"state of param {pid}: exp_avg and exp_avg_sq must come together")
+    if ("master" in saved) != (p.dtype != torch.float32):
+        raise ValueError(f"state of param {pid}: a master copy belongs to bf16/fp16 params only")

@@ -1,0 +1,385 @@
+"""BAdam against an independent reference: torch.optim.AdamW on the active block only,
+the other parameters frozen, rebuilt at every switch."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import frugal_kernels as fk
+from frugal_kernels.governor import Decision
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+SWITCH_EVERY = 3
+MODES = ("random", "ascending", "descending", "fixed")
+# For "fixed": a given order, a strict subset of the blocks out of their order.
+FIXED_ORDER = ["model.layers.2", "embedding", "model.layers.0"]
+
+
+class Toy(nn.Module):
+    """Named like HF Llama: model.embed_tokens, model.layers.N, model.norm, lm_head."""
+
+    def __init__(self, num_layers: int = 3, width: int = 6, vocab: int = 11, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, width)
+        self.model.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(num_layers))
+        self.model.norm = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def loss(self, step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(1000 + step)
+        ids = torch.randint(0, self.lm_head.out_features, (4, 5), generator=gen)
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = torch.tanh(layer(x)) + x
+        logits = self.lm_head(self.model.norm(x))
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def badam(model, mode="ascending", **kw):
+    kw.setdefault("switch_every", SWITCH_EVERY)
+    if mode == "fixed":
+        kw.setdefault("order", FIXED_ORDER)
+    return fk.BAdam(model, switch_mode=mode, include_embedding=True, include_head=True, **kw,
+                    **HYPER)
+
+
+def block_params(model, block):
+    return [p for n, p in model.named_parameters()
+            if (block == "embedding" and "embed_tokens" in n)
+            or (block == "head" and n.startswith("lm_head."))
+            or n.startswith(block + ".")]
+
+
+NAMES = ["embedding", "model.layers.0", "model.layers.1", "model.layers.2", "head"]
+
+
+def expected_order(mode, steps):
+    cycle = {"ascending": NAMES, "descending": NAMES[::-1], "fixed": FIXED_ORDER}[mode]
+    return [cycle[(t // SWITCH_EVERY) % len(cycle)] for t in range(steps)]
+
+
+def snapshot(model):
+    return {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_adamw_on_the_active_block(mode):
+    steps = 5 * SWITCH_EVERY * len(NAMES) // 2  # several switches and, for random, two epochs
+    model, ref = Toy(), Toy()
+    opt = badam(model, mode)
+    order = [] if mode == "random" else expected_order(mode, steps)
+    ref_opt = None
+    for t in range(steps):
+        block = opt.active_block
+        if mode != "random":
+            assert block == order[t]
+        # Rebuilt at every switch, also when "random" draws the same block again
+        # across an epoch boundary: each switch starts the block's AdamW afresh.
+        if t % SWITCH_EVERY == 0:
+            for p in ref.parameters():
+                p.requires_grad_(False)
+                p.grad = None
+            active = block_params(ref, block)
+            for p in active:
+                p.requires_grad_(True)
+            ref_opt = torch.optim.AdamW(active, foreach=False, **HYPER)
+        model.loss(t).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.loss(t).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert len(opt.history) - 1 == steps // SWITCH_EVERY
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        # Gradients come through the loss, so one-ulp differences of the fused op's
+        # arithmetic grow a little over the run: hence the small atol beside rtol.
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_random_mode_visits_every_block_once_per_epoch():
+    opt = badam(Toy(), "random", seed=3)
+    seen = [h["block"] for h in opt_steps(opt, 3 * len(NAMES) * SWITCH_EVERY)]
+    epochs = [seen[i:i + len(NAMES)] for i in range(0, 3 * len(NAMES), len(NAMES))]
+    assert all(sorted(e) == sorted(NAMES) for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1, "each epoch draws a new permutation"
+    other = [h["block"] for h in opt_steps(badam(Toy(), "random", seed=4),
+                                           3 * len(NAMES) * SWITCH_EVERY)]
+    assert other != seen
+
+
+def opt_steps(opt, steps):
+    model_params = [p for g in opt.param_groups for p in g["params"]]
+    for _ in range(steps):
+        for p in model_params:
+            if p.requires_grad:
+                p.grad = torch.ones_like(p)
+        opt.step()
+    return opt.history[:-1]
+
+
+def test_flags_grads_and_state_follow_the_active_block():
+    model = Toy()
+    opt = badam(model, "descending")
+    frozen = list(model.model.norm.parameters())
+    for t in range(2 * len(NAMES) * SWITCH_EVERY):
+        active = {id(p) for p in block_params(model, opt.active_block)}
+        for p in model.parameters():
+            assert p.requires_grad == (id(p) in active)
+        model.loss(t).backward()
+        assert all(p.grad is None for p in model.parameters() if id(p) not in active)
+        assert all(p.grad is None for p in frozen)
+        before = opt.active_block
+        opt.step()
+        if opt.active_block != before:
+            assert opt.state_bytes() == 0 and len(opt.state) == 0
+            assert all(p.grad is None for p in block_params(model, before))
+            assert not any(p.requires_grad for p in block_params(model, before))
+        else:
+            assert set(map(id, opt.state)) == active
+            numel = sum(p.numel() for p in block_params(model, before))
+            assert opt.state_bytes() == 8 * numel
+        opt.zero_grad()
+
+
+def test_state_bytes_is_the_active_block_only():
+    model = Toy(num_layers=4, width=16)
+    opt = fk.BAdam(model, switch_every=2, switch_mode="ascending", **HYPER)
+    everything = 8 * sum(p.numel() for p in model.parameters())
+    model.loss(0).backward()
+    opt.step()
+    layer = 8 * sum(p.numel() for p in model.model.layers[0].parameters())
+    assert opt.state_bytes() == layer < everything / 4
+
+
+def test_default_blocks_by_layer_index():
+    names = [f"model.layers.{i}.mlp.weight" for i in range(12)] + ["model.embed_tokens.weight",
+                                                                  "model.norm.weight"]
+    named = [(n, nn.Parameter(torch.zeros(2))) for n in names]
+    opt = fk.BAdam(named, switch_mode="ascending")
+    assert opt.block_names == [f"model.layers.{i}" for i in range(12)]
+    assert [len(g["params"]) for g in opt.param_groups] == [1] * 12
+    assert opt.param_groups[1]["params"][0] is named[1][1]
+    gpt2 = [(n, nn.Parameter(torch.zeros(2))) for n in
+            ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight",
+             "transformer.h.0.ln_1.weight", "transformer.h.1.attn.c_attn.weight",
+             "transformer.ln_f.weight"]]
+    opt = fk.BAdam(gpt2, include_embedding=True)
+    assert opt.block_names == ["embedding", "transformer.h.0", "transformer.h.1"]
+    assert not gpt2[4][1].requires_grad
+
+
+def test_frugal_kernels_model_names():
+    from frugal_kernels.model import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=32, max_seq_len=16))
+    opt = fk.BAdam(model, include_embedding=True, include_head=True)
+    layers = [f"model.layers.{i}" for i in range(model.config.num_layers)]
+    assert opt.block_names == ["embedding", *layers, "head"]
+
+
+def test_blocks_by_names_and_patterns():
+    model = Toy()
+    opt = fk.BAdam(model, blocks={"first": ["model.layers.0.weight", r"model\.layers\.0\.bias"],
+                                  "rest": [r"model\.layers\.[12]\..*", r"lm_head\..*"]},
+                   switch_mode="fixed")
+    assert opt.block_names == ["first", "rest"]
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 5]
+    assert not model.model.embed_tokens.weight.requires_grad
+    listed = fk.BAdam(Toy(), blocks=[[r"model\.layers\.0\..*"], [r"model\.layers\.1\..*"]])
+    assert listed.block_names == ["block0", "block1"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(blocks={"a": ["no_such_param"]}), "matches no parameter"),
+    (dict(blocks={"a": [r"model\.layers\.9\..*"]}), "matches no parameter"),
+    (dict(blocks={"a": [r"model\.layers\.0\..*"], "b": ["model.layers.0.weight"]}),
+     "in two blocks"),
+    (dict(blocks={"a": [r"model\.layers\.0\..*"], "b": []}), "non-empty"),
+    (dict(switch_every=0), "switch_every"),
+    (dict(switch_every=2.5), "switch_every"),
+    (dict(switch_mode="sideways"), "switch_mode"),
+    (dict(switch_mode="fixed", order=["model.layers.7"]), "unknown block"),
+    (dict(switch_mode="random", order=["model.layers.0"]), "order is for"),
+    (dict(include_head=True, blocks={"a": ["lm_head.weight"]}), "include_embedding"),
+])
+def test_bad_input_raises_and_changes_nothing(kwargs, message):
+    model = Toy()
+    for p in model.model.layers[1].parameters():
+        p.requires_grad_(False)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        fk.BAdam(model, **kwargs)
+    after = snapshot(model)
+    for name, (value, flag) in before.items():
+        assert torch.equal(after[name][0], value) and after[name][1] == flag, name
+
+
+def run_steps(model, opt, start, stop):
+    for t in range(start, stop):
+        model.loss(t).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_is_bit_identical(mode):
+    steps, cut = 6 * SWITCH_EVERY + 2, 2 * SWITCH_EVERY + 1
+    model = Toy()
+    opt = badam(model, mode)
+    run_steps(model, opt, 0, steps)
+
+    first = Toy()
+    opt1 = badam(first, mode)
+    run_steps(first, opt1, 0, cut)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+
+    resumed = Toy(seed=5)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = badam(resumed, mode)
+    opt2.load_state_dict(checkpoint["opt"])
+    assert opt2.active_block == opt1.active_block
+    assert [p.requires_grad for p in resumed.parameters()] == \
+        [p.requires_grad for p in first.parameters()]
+    run_steps(resumed, opt2, cut, steps)
+    assert opt2.history == opt.history
+    assert len([h for h in opt2.history if h["step"] > cut]) >= 2
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_bad_state_dict_raises_and_changes_nothing():
+    model = Toy()
+    opt = badam(model, "ascending")
+    run_steps(model, opt, 0, SWITCH_EVERY + 1)
+    good = opt.state_dict()
+    other = Toy()
+    target = badam(other, "ascending")
+    run_steps(other, target, 0, 1)
+    before, state_before = snapshot(other), target.state_dict()
+
+    wrong_blocks = copy.deepcopy(good)
+    wrong_blocks["badam"]["block_names"][0] = "elsewhere"
+    wrong_shape = copy.deepcopy(good)
+    pid = next(iter(wrong_shape["state"]))
+    wrong_shape["state"][pid]["exp_avg"] = torch.zeros(3)
+    wrong_mode = copy.deepcopy(good)
+    wrong_mode["badam"]["switch_mode"] = "descending"
+    wrong_order = copy.deepcopy(good)
+    wrong_order["badam"]["epoch"] = [0, 0, 1, 2, 3]
+    cases = [(wrong_mode, "switch_mode"), (wrong_blocks, "blocks"),
+             (wrong_shape, "shape"), (wrong_order, "block order"),
+             ({"state": {}, "param_groups": []}, "not saved by BAdam")]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            target.load_state_dict(bad)
+        after = snapshot(other)
+        for name, (value, flag) in before.items():
+            assert torch.equal(after[name][0], value) and after[name][1] == flag, name
+        schedule, schedule_before = target.state_dict()["badam"], state_before["badam"]
+        assert torch.equal(schedule.pop("generator"), schedule_before["generator"])
+        assert schedule == {k: v for k, v in schedule_before.items() if k != "generator"}
+        assert target.state_bytes() == 8 * other.model.embed_tokens.weight.numel()
+    target.load_state_dict(good)
+    assert target.active_block == "model.layers.0" == opt.active_block
+
+
+def test_bf16_master_copy():
+    model = Toy().to(torch.bfloat16)
+    opt = fk.BAdam(model, switch_every=2, switch_mode="ascending", **HYPER)
+    active = list(model.model.layers[0].parameters())
+    masters = [p.detach().float().clone().requires_grad_(True) for p in active]
+    ref = torch.optim.AdamW(masters, foreach=False, **HYPER)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        grads = [torch.randn(p.shape, generator=gen).bfloat16() for p in active]
+        for p, m, g in zip(active, masters, grads):
+            p.grad, m.grad = g.clone(), g.float()
+        opt.step()
+        ref.step()
+        if opt.active_block == "model.layers.0":
+            for p, m in zip(active, masters):
+                st = opt.state[p]
+                assert st["master"].dtype == torch.float32
+                torch.testing.assert_close(st["master"], m.detach(), rtol=1e-6, atol=1e-7)
+                assert torch.equal(p, st["master"].bfloat16())
+            assert opt.state_bytes() == 12 * sum(p.numel() for p in active)
+    for p, m in zip(active, masters):
+        assert torch.equal(p, m.detach().bfloat16())
+    assert opt.state_bytes() == 0
+
+
+def test_lr_scheduler_drives_every_block():
+    model = Toy()
+    opt = badam(model, "ascending")
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 2 else 1.0)
+    for t in range(2):
+        model.loss(t).backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    assert all(g["lr"] == 0.0 for g in opt.param_groups)
+    frozen = snapshot(model)
+    run_steps(model, opt, 2, 3 * SWITCH_EVERY)
+    # lr 0 also switches weight decay off: nothing moves, while the schedule goes on.
+    for name, p in model.named_parameters():
+        assert torch.equal(p, frozen[name][0]), name
+    assert opt.active_block == "model.layers.2"
+
+
+def test_grad_scaler_found_inf_skips_everything():
+    model = Toy()
+    opt = badam(model, "ascending")
+    model.loss(0).backward()
+    before = snapshot(model)
+    opt.found_inf = torch.ones(())
+    for _ in range(SWITCH_EVERY + 1):
+        opt.step()
+    assert opt.active_block == "embedding" and opt.state_bytes() == 0
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name][0]), name
+    del opt.found_inf
+    opt.grad_scale = torch.full((), 4.0)
+    reference = copy.deepcopy(model)
+    ref_opt = badam(reference, "ascending")  # a new optimizer clears the gradients
+    for p, q in zip(model.parameters(), reference.parameters()):
+        if p.grad is not None:
+            q.grad = p.grad / 4.0
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_closure_and_governor():
+    model = Toy()
+    opt = badam(model, "ascending")
+
+    def closure():
+        opt.zero_grad()
+        loss = model.loss(0)
+        loss.backward()
+        return loss
+
+    assert isinstance(opt.step(closure), torch.Tensor)
+    decision = Decision(action="reallocate", reason="test", evaluation=1, step=1, flops=0.0,
+                        loss=1.0, remaining_flops=1.0, suggestion={"update_gap_factor": 1.5})
+    opt.apply_governor(decision)
+    assert opt.switch_every == 5 and "governor" in opt.history[-1]["reason"]
+    opt.apply_governor(Decision(**{**decision.__dict__,
+                                   "suggestion": {"switch_every_factor": 2.0,
+                                                  "update_gap_factor": 9.0}}))
+    assert opt.switch_every == 10
+    with pytest.raises(ValueError, match="switch_every"):
+        opt.switch_every = 0
+    opt.switch_every = 1
+    opt.step(closure)
+    assert opt.active_block == "model.layers.0"
