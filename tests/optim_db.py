@@ -6,7 +6,7 @@ one, as BAdam will) and a fresh optimizer over it; the contract tests of
 tests/optim/test_contract.py run every entry (exact resume through
 ``torch.load(weights_only=True)``, LR schedulers, closures, GradScaler,
 torch.compile, state dicts that do not fit, add_param_group, groups without
-gradients). BAdam and DQT join by adding entries to :data:`OPTIMIZERS`.
+gradients). BAdam has its entries; DQT joins by adding entries to :data:`OPTIMIZERS`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,15 @@ class OptimizerInfo:
     # and options that keep the graph count stable.
     compile_graphs: Optional[int] = None
     compile_options: dict = field(default_factory=dict)
+    # The params a step just taken moved (None: all of them). BAdam moves its
+    # active block only.
+    trained: Optional[Callable[[torch.optim.Optimizer], List[torch.nn.Parameter]]] = None
+    # Optimizers whose groups are fixed refuse add_param_group with a ValueError
+    # matching this (None: a new group is accepted and stepped).
+    add_param_group_refused: Optional[str] = None
+
+    def moved(self, opt, params) -> List[torch.nn.Parameter]:
+        return list(params) if self.trained is None else list(self.trained(opt))
 
     def build(self, seed: int = 0, **options) -> Tuple[torch.optim.Optimizer, list]:
         inputs, params = self.make_model(seed)
@@ -137,3 +146,31 @@ OPTIMIZERS = (
         compile_graphs=2 if projection == "columns" else None,
     ) for projection in PROJECTIONS),
 )
+
+
+def _layered_model(seed: int) -> Model:
+    """Three transformer-like layers (BAdam's default blocks) of a matrix and a vector."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for _ in range(3):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(6, 5, generator=gen))
+        layer.bias = torch.nn.Parameter(torch.randn(6, generator=gen))
+        model.layers.append(layer)
+    return model, list(model.parameters())
+
+
+def _badam(mode: str):
+    def factory(model, **options):
+        return fk.BAdam(model, **{**HYPER, "switch_every": 2, "switch_mode": mode, "seed": 5,
+                                  **options})
+    return factory
+
+
+OPTIMIZERS = OPTIMIZERS + tuple(
+    OptimizerInfo(name=f"BAdam-{mode}", make_model=_layered_model, factory=_badam(mode),
+                  resumed_attributes=("history", "active_block"),
+                  trained=lambda opt: opt.param_groups[opt.active_block_index]["params"],
+                  add_param_group_refused="param groups are its blocks")
+    for mode in ("random", "ascending", "descending", "fixed"))

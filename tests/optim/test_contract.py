@@ -164,8 +164,13 @@ def test_closure_is_evaluated_with_grad_and_its_loss_returned(info):
         expected = sum((p * 2).sum() for p in before).item()
     loss = opt.step(closure)
     assert loss.item() == expected
+    moved = {id(p) for p in info.moved(opt, params)}
+    assert moved
     for i, (p, b) in enumerate(zip(params, before)):
-        assert not torch.equal(p, b), f"param {i} did not move"
+        if id(p) in moved:
+            assert not torch.equal(p, b), f"param {i} did not move"
+        else:
+            assert torch.equal(p, b), f"param {i} moved outside the trained set"
 
 
 @pytest.mark.parametrize("info", _entries())
@@ -227,6 +232,12 @@ def test_add_param_group_steps_the_new_group(info):
     info.train(opt, params, grad_sequence(params, 2))
     extra = torch.nn.Parameter(torch.randn(12, 10, generator=torch.Generator().manual_seed(4)))
     before = extra.detach().clone()
+    if info.add_param_group_refused is not None:
+        saved = opt.state_dict()
+        with pytest.raises(ValueError, match=info.add_param_group_refused):
+            opt.add_param_group({"params": [extra]})
+        assert len(opt.param_groups) == len(saved["param_groups"])
+        return
     opt.add_param_group({"params": [extra]})
     info.train(opt, params + [extra], grad_sequence(params + [extra], 1), start=2)
     assert not torch.equal(extra, before)
@@ -244,12 +255,18 @@ def test_group_without_gradients_is_left_alone(info, idle):
     before_stepped = [p.detach().clone() for p in stepped]
     before_idle = [p.detach().clone() for p in idle_params]
     gen = torch.Generator().manual_seed(2)
+    trained = set()
     for _ in range(3):
         for p in stepped:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
+        trained.update(id(p) for p in info.moved(opt, stepped))
+    assert any(id(p) in trained for p in stepped)
     for i, (p, b) in enumerate(zip(stepped, before_stepped)):
-        assert not torch.equal(p, b), f"stepped param {i} did not move"
+        if id(p) in trained:
+            assert not torch.equal(p, b), f"stepped param {i} did not move"
+        else:
+            assert torch.equal(p, b), f"param {i} moved outside the trained set"
     for p, b in zip(idle_params, before_idle):
         assert torch.equal(p, b)
         assert "exp_avg" not in opt.state[p]  # moments come with the first gradient
