@@ -1,4 +1,4 @@
-"""Memory-frugal LLM training: FRUGAL and AdaFRUGAL optimizers on fused kernels.
+"""Memory-frugal LLM training: FRUGAL, AdaFRUGAL and BAdam optimizers on fused kernels.
 
 Layers (see DESIGN.md): ``frugal_kernels.ops`` holds the fused ops as
 ``torch.library`` operators with CPU (C++), CUDA, Triton and torch backends;
