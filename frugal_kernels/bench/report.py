@@ -11,6 +11,13 @@ def _fmt_numel(n: int) -> str:
     return f"{n / 2**20:g}M" if n >= 2**20 else f"{n / 2**10:g}K"
 
 
+def _table(header: List[str], rows: List[List[str]]) -> List[str]:
+    """A markdown table, then a blank line."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + [""]
+
+
 def markdown(result: dict) -> str:
     fp = result["fingerprint"]
     where = fp.get("gpu") or f"{fp['cpu']} ({fp['cpu_isa']}, {fp['threads']} threads)"
@@ -25,41 +32,36 @@ def markdown(result: dict) -> str:
                   "values as there are parameters (12 B each: two reads, one write); a plain "
                   "copy (8 B counted, plus the write-allocate it does not count) is beside it. "
                   "Both, and torch.optim.AdamW(fused=True) on the same tensors, ran in the same "
-                  "rounds.", "",
-                  "| op | variant | backend | dtype | params | ms | GB/s | of roofline | of copy "
-                  "| x fused AdamW |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in ops:
-            lines.append(f"| {r['op']} | {r['variant'] or '-'} | {r['backend']} | {r['dtype']} | "
-                         f"{_fmt_numel(r['numel'])} | {r['seconds'] * 1e3:.2f} | {r['gbps']:.1f} | "
-                         f"{r['roofline_fraction']:.0%} | {r['copy_fraction']:.0%} | "
-                         f"{r['speedup_vs_torch_adamw_fused']:.2f} |")
-        lines.append("")
+                  "rounds.", ""]
+        lines += _table(
+            ["op", "variant", "backend", "dtype", "params", "ms", "GB/s", "of roofline", "of copy",
+             "x fused AdamW"],
+            [[r["op"], r["variant"] or "-", r["backend"], r["dtype"], _fmt_numel(r["numel"]),
+              f"{r['seconds'] * 1e3:.2f}", f"{r['gbps']:.1f}", f"{r['roofline_fraction']:.0%}",
+              f"{r['copy_fraction']:.0%}", f"{r['speedup_vs_torch_adamw_fused']:.2f}"]
+             for r in ops])
     opt = result.get("optimizers")
     if opt:
         lines += [f"## Optimizer state on the {opt['preset']} parameter set "
-                  f"({opt['num_params'] / 1e6:.1f}M params)", "",
-                  "| optimizer | state MB | bytes/param |", "|---|---|---|"]
-        for r in opt["state"]:
-            lines.append(f"| {r['optimizer']} | {r['state_mb']:.1f} | {r['bytes_per_param']:.2f} |")
-        lines += ["", "## Optimizer step time", "",
-                  "| optimizer | ms/step | x fused AdamW |", "|---|---|---|"]
-        for name, t in opt["step"]["seconds"].items():
-            lines.append(f"| {name} | {t * 1e3:.1f} | "
-                         f"{opt['step']['speedup_vs_torch_adamw_fused'][name]:.2f} |")
-        lines.append("")
+                  f"({opt['num_params'] / 1e6:.1f}M params)", ""]
+        lines += _table(["optimizer", "state MB", "bytes/param"],
+                        [[r["optimizer"], f"{r['state_mb']:.1f}", f"{r['bytes_per_param']:.2f}"]
+                         for r in opt["state"]])
+        speedup = opt["step"]["speedup_vs_torch_adamw_fused"]
+        lines += ["## Optimizer step time", ""]
+        lines += _table(["optimizer", "ms/step", "x fused AdamW"],
+                        [[name, f"{t * 1e3:.1f}", f"{speedup[name]:.2f}"]
+                         for name, t in opt["step"]["seconds"].items()])
     over = result.get("overhead")
     if over:
         lines += [f"## Host time per step ({over['preset']} tensor structure: {over['tensors']} "
                   f"tensors of {over['numel']:,} elements in all, {over['threads']} thread)", "",
                   f"torch.optim.AdamW(fused=True): {over['torch_adamw_fused_us']:.0f} us per "
                   "step, in the same rounds. A change: what a step that chooses the subspace "
-                  "again costs on top of a steady one.", "",
-                  "| optimizer | us/step | x fused AdamW | change, us |", "|---|---|---|---|"]
-        for r in over["rows"]:
-            lines.append(f"| {r['optimizer']} | {r['step_us']:.0f} | "
-                         f"{r['vs_torch_adamw_fused']:.2f} | {r['change_us']:.0f} |")
-        lines.append("")
+                  "again costs on top of a steady one.", ""]
+        lines += _table(["optimizer", "us/step", "x fused AdamW", "change, us"],
+                        [[r["optimizer"], f"{r['step_us']:.0f}", f"{r['vs_torch_adamw_fused']:.2f}",
+                          f"{r['change_us']:.0f}"] for r in over["rows"]])
     return "\n".join(lines)
 
 
