@@ -102,7 +102,8 @@ def _train_config(args: argparse.Namespace, base):
     """``base`` with the options given on the command line; ``--steps`` alone scales the
     warmup and the evaluation interval with it."""
     options = {field: getattr(args, field) for field in (
-        "model", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "schedule", "eval_every",
+        "model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio", "warmup_steps",
+        "schedule", "eval_every",
         "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes")}
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_grad_clip:
@@ -116,6 +117,14 @@ def _train_config(args: argparse.Namespace, base):
         raise CommandLineError(str(exc)) from None
 
 
+def _progress(args: argparse.Namespace):
+    """train()'s progress mode: nothing with --quiet, a line per evaluation with
+    --no-progress, else a bar on a terminal and lines elsewhere."""
+    if args.quiet:
+        return False
+    return "lines" if args.no_progress else True
+
+
 def _demo(args: argparse.Namespace) -> int:
     from frugal_kernels import demo
 
@@ -124,7 +133,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"frugal-kernels demo: the {config.model} model, {config.steps} steps of "
           f"{config.batch_size}x{config.seq_len} tokens, on {config.device}, with "
           f"{', '.join(demo.OPTIMIZERS[n].label for n in names)}")
-    metrics = demo.run_demo(config, names, out=args.out, progress=not args.no_progress)
+    metrics = demo.run_demo(config, names, out=args.out, progress=_progress(args))
     print()
     print(demo.table(metrics))
     print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
@@ -155,7 +164,7 @@ def _train(args: argparse.Namespace) -> int:
           f"{config.device}"
           + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else ""))
     metrics = demo.run_train(config, args.optimizer, data=data, out=args.out,
-                             progress=not args.no_progress, save_model=args.save_model)
+                             progress=_progress(args), save_model=args.save_model)
     run = metrics["runs"][args.optimizer]
     print()
     print(demo.table(metrics))
@@ -181,7 +190,11 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
     add("--batch-size", type=_positive_int, help=f"sequences per step (default: {defaults.batch_size})")
     add("--seq-len", type=_number(int, "an integer >= 2", lambda v: v >= 2), help=f"bytes per sequence (default: {defaults.seq_len})")
     add("--lr", type=_positive_float,
-        help=f"peak learning rate of every optimizer (default: {defaults.lr:g})")
+        help=f"peak learning rate of the embeddings, norms and head, for every optimizer "
+             f"(default: {defaults.lr:g})")
+    add("--matrix-lr-ratio", type=_positive_float,
+        help=f"the projected matrices' lr over --lr, for every optimizer (default: "
+             f"{defaults.matrix_lr_ratio:g})")
     add("--warmup-steps", type=_non_negative_int,
         help=f"linear warmup before the schedule (default: {defaults.warmup_steps}, "
              "scaled with --steps)")
@@ -210,7 +223,9 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
     add("--max-bytes", type=_positive_int,
         help=f"read at most this many bytes of data (default: {defaults.max_bytes:,})")
     add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>)")
-    add("--no-progress", action="store_true", help="no progress bars")
+    add("--no-progress", action="store_true",
+        help="no progress bars: one line per evaluation on stderr (the default off a terminal)")
+    add("--quiet", action="store_true", help="no progress output, only the final table")
 
 
 def build_parser() -> argparse.ArgumentParser:

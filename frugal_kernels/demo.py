@@ -11,6 +11,7 @@ Adding an optimizer to the demo is one entry in :data:`OPTIMIZERS`.
 from __future__ import annotations
 
 import copy
+import csv
 import dataclasses
 import json
 import sys
@@ -23,8 +24,8 @@ import torch
 
 from frugal_kernels.data import TokenDataset, load_corpus
 from frugal_kernels.model import LlamaForCausalLM
-from frugal_kernels.optim import FRUGAL, AdaFRUGAL, BAdam, param_groups
-from frugal_kernels.train import OptimizerFactory, RunResult, TrainConfig, train
+from frugal_kernels.optim import FRUGAL, AdaFRUGAL, BAdam
+from frugal_kernels.train import OptimizerFactory, RunResult, TrainConfig, lr_groups, train
 
 __all__ = ["DEFAULTS", "DemoOptimizer", "OPTIMIZERS", "collect_metrics", "plot", "resolve",
            "run_demo", "run_train", "table", "write"]
@@ -61,17 +62,17 @@ class DemoOptimizer:
 def _adamw(model, config: TrainConfig) -> torch.optim.Optimizer:
     # torch's fused AdamW exists for CPU and CUDA tensors; elsewhere (None) torch picks.
     fused = True if torch.device(config.device).type in ("cpu", "cuda") else None
-    return torch.optim.AdamW(model.parameters(), lr=config.lr,
+    return torch.optim.AdamW(lr_groups(model, config), lr=config.lr,
                              weight_decay=config.weight_decay, fused=fused)
 
 
 def _frugal(model, config: TrainConfig) -> FRUGAL:
-    return FRUGAL(param_groups(model), lr=config.lr, weight_decay=config.weight_decay,
+    return FRUGAL(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
                   density=0.25, update_gap=UPDATE_GAP, projection="blocks")
 
 
 def _adafrugal(model, config: TrainConfig) -> AdaFRUGAL:
-    return AdaFRUGAL(param_groups(model), lr=config.lr, weight_decay=config.weight_decay,
+    return AdaFRUGAL(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
                      rho_start=0.25, rho_end=0.05, rho_steps=config.steps,
                      update_gap=UPDATE_GAP, update_gap_max=4 * UPDATE_GAP, projection="blocks")
 
@@ -111,7 +112,7 @@ def resolve(names: Sequence[str]) -> list[str]:
 
 
 def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = tuple(OPTIMIZERS),
-             out: Optional[Path] = None, progress: bool = True) -> dict[str, Any]:
+             out: Optional[Path] = None, progress: bool | str = True) -> dict[str, Any]:
     """Train one copy of the same initial model per optimizer in ``names``; write
     ``metrics.json`` and ``demo.png`` into ``out`` (default ``runs/demo-<time>``).
 
@@ -137,7 +138,7 @@ def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = tuple(OPTIMI
 
 def run_train(config: TrainConfig, name: str = "adafrugal", *,
               data: Optional[TokenDataset] = None, out: Optional[Path] = None,
-              progress: bool = True, save_model: bool = False) -> dict[str, Any]:
+              progress: bool | str = True, save_model: bool = False) -> dict[str, Any]:
     """``frugal-kernels train``: train a fresh model with the optimizer ``name`` of
     :data:`OPTIMIZERS`, under the compute governor when ``config.flop_budget`` is set, on
     ``data`` (default ``load_corpus(config.data)``); write ``metrics.json``, ``train.png``
@@ -188,10 +189,15 @@ def collect_metrics(config: TrainConfig, data: TokenDataset, results: dict[str, 
 
 
 def write(metrics: dict[str, Any], out: Path, plot_name: str) -> list[str]:
-    """Write ``out/metrics.json`` and ``out/<plot_name>.png``; returns their paths."""
+    """Write ``out/metrics.json``, the table as ``out/table.md`` and ``out/table.csv``, and
+    ``out/<plot_name>.png``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    files = [out / "metrics.json"]
+    files = [out / "metrics.json", out / "table.md", out / "table.csv"]
     files[0].write_text(json.dumps(metrics, indent=1))
+    files[1].write_text(table(metrics) + "\n")
+    header, rows = _rows(metrics)
+    with open(files[2], "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
     png = plot(metrics, out / f"{plot_name}.png")
     if png is not None:
         files.append(png)
@@ -211,15 +217,13 @@ def _mb(num_bytes: float) -> float:
     return num_bytes / 2**20
 
 
-def table(metrics: dict[str, Any]) -> str:
-    """The runs side by side, as a markdown table, with a note on each governed run.
-
-    Losses are compared with the first run's (AdamW in the default demo)."""
+def _rows(metrics: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The table's header and rows, as the text of their cells."""
     runs = metrics["runs"]
     first = next(iter(runs.values()))
     compare = len(runs) > 1
     header = ["optimizer", "steps", "val loss", *([f"vs {first['label']}"] if compare else []),
-              "state MB", "peak MB", "ms/step", "optimizer share", "FLOPs"]
+              "held MB", "state MB", "peak MB", "ms/step", "optimizer share", "FLOPs"]
     rows = []
     for run in runs.values():
         s = run["summary"]
@@ -227,15 +231,28 @@ def table(metrics: dict[str, Any]) -> str:
         rows.append([
             run["label"], str(s["steps"]), f"{s['final_val_loss']:.4f}",
             *([f"{change:+.2%}"] if compare else []),
-            f"{_mb(s['state_bytes']):.2f}", f"{_mb(s['peak_memory']):.0f}",
+            f"{_mb(s['held_bytes']):.2f}", f"{_mb(s['state_bytes']):.2f}",
+            f"{_mb(s['peak_memory']):.0f}",
             f"{s['step_time'] * 1e3:.0f}", f"{s['optimizer_share']:.1%}", f"{s['flops']:.3g}",
         ])
+    return header, rows
+
+
+def table(metrics: dict[str, Any]) -> str:
+    """The runs side by side, as a markdown table, with a note on each governed run.
+
+    Losses are compared with the first run's (AdamW in the default demo)."""
+    runs = metrics["runs"]
+    first = next(iter(runs.values()))
+    header, rows = _rows(metrics)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     kind = first["summary"]["peak_memory_kind"]
-    lines.append(f"\nstate MB: the optimizer's state tensors at the end; peak MB: "
+    lines.append(f"\nheld MB: the weights, gradients and optimizer state held during a step "
+                 f"(the most over the run, each storage counted once); state MB: the "
+                 f"optimizer's state tensors at the end; peak MB: "
                  f"{_PEAK_MEANING.get(kind, kind)}; ms/step and optimizer share: from the "
                  f"median step and optimizer-step times.")
     for run in runs.values():
@@ -273,14 +290,17 @@ def plot(metrics: dict[str, Any], path: Path) -> Optional[Path]:
                 loss_ax.plot(d["step"], d["loss"], marker="x" if d["action"] == "stop" else "^",
                              color=run["color"], markersize=9, linestyle="none")
         steps = [s["step"] for s in run["steps"]]
-        state_ax.plot(steps, [_mb(s["state_bytes"]) for s in run["steps"]], **style)
+        state_ax.plot(steps, [_mb(s["held_bytes"]) for s in run["steps"]], **style)
+        state_ax.plot(steps, [_mb(s["state_bytes"]) for s in run["steps"]], linestyle=":",
+                      color=run["color"])
         if "rho" in run["steps"][0]:
             rho_ax.plot(steps, [s["rho"] for s in run["steps"]], **style)
             gap_ax.plot(steps, [s["update_gap"] for s in run["steps"]], **style)
     _zoom_on_the_end(loss_ax, runs)
     loss_ax.set(title="validation loss (x: governor stop, ^: reallocation)", xlabel="step",
                 ylabel="loss (nats/byte)")
-    state_ax.set(title="optimizer state", xlabel="step", ylabel="MB")
+    state_ax.set(title="held in a step: weights + gradients + state (dotted: state alone)",
+                 xlabel="step", ylabel="MB")
     rho_ax.set(title="rho: state-full fraction of the projected weights", xlabel="step",
                ylabel="rho")
     gap_ax.set(title="T: steps between subspace changes", xlabel="step", ylabel="T")

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -40,8 +40,10 @@ __all__ = [
     "RunResult",
     "TrainConfig",
     "lr_factor",
+    "lr_groups",
     "optimizer_state_bytes",
     "optimizer_step_flops",
+    "step_memory",
     "steps_for_budget",
     "train",
 ]
@@ -51,6 +53,8 @@ __all__ = [
 class TrainConfig:
     """Settings of one training run; plain values, so that it is saved with the metrics.
 
+    Every optimizer gets the same two parameter groups (:func:`lr_groups`): the embeddings,
+    norms and head at ``lr``, the projected matrices at ``matrix_lr_ratio * lr``.
     The learning rate warms up linearly over ``warmup_steps``, then ``schedule`` takes it
     down to ``min_lr_ratio * lr`` at ``steps``: ``"wsd"`` (warmup-stable-decay) holds it
     and decays linearly over the last ``cooldown_fraction`` of the steps; ``"cosine"``
@@ -69,6 +73,7 @@ class TrainConfig:
     batch_size: int = 4
     seq_len: int = 128
     lr: float = 1e-3
+    matrix_lr_ratio: float = 1.0
     weight_decay: float = 0.0
     warmup_steps: int = 120
     min_lr_ratio: float = 0.1
@@ -98,6 +103,10 @@ class TrainConfig:
                              f"{self.schedule!r}")
         if not 0.0 < self.cooldown_fraction <= 1.0:
             raise ValueError(f"cooldown_fraction must lie in (0, 1], got {self.cooldown_fraction}")
+        for name in ("lr", "matrix_lr_ratio"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive finite number, got "
+                                 f"{getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
 
@@ -119,6 +128,21 @@ class TrainConfig:
             eval_every = max(1, steps * self.eval_every // self.steps)
         return dataclasses.replace(self, steps=steps, warmup_steps=warmup_steps,
                                    eval_every=eval_every)
+
+
+def lr_groups(model: nn.Module, config: TrainConfig, **projected_options) -> list[dict]:
+    """:func:`~frugal_kernels.param_groups` with the config's two learning rates: ``lr`` for
+    the embeddings, norms and head, ``matrix_lr_ratio * lr`` for the projected matrices.
+
+    Every demo optimizer, AdamW and the peers included, is built from these groups, so that
+    a comparison measures the optimizers rather than their parametrisations.
+    """
+    from frugal_kernels.optim import param_groups
+
+    groups = param_groups(model, **projected_options)
+    for group in groups:
+        group["lr"] = config.lr * (config.matrix_lr_ratio if group["projected"] else 1.0)
+    return groups
 
 
 # An optimizer factory gets the model and the run's config (steps, lr, weight decay).
@@ -143,12 +167,43 @@ def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float,
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _state_tensors(opt: Optimizer):
+    """The tensors of ``opt.state``, and those one attribute down in the helper objects some
+    optimizers keep there (GaLore's and APOLLO's projectors hold their projection matrix)."""
+    for st in opt.state.values():
+        for value in st.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif hasattr(value, "__dict__"):
+                yield from (v for v in vars(value).values() if isinstance(v, torch.Tensor))
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``: views and aliases count once."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 def optimizer_state_bytes(opt: Optimizer) -> int:
     """Bytes of the optimizer's state tensors now: ``opt.state_bytes()`` where it exists."""
     if callable(getattr(opt, "state_bytes", None)):
         return int(opt.state_bytes())
-    return sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor))
+    return _storage_bytes(_state_tensors(opt))
+
+
+def step_memory(model: nn.Module, opt: Optimizer) -> dict[str, int]:
+    """Bytes of the training state held during a step, from the tensors themselves (call it
+    between ``opt.step()`` and ``zero_grad``): the weights, their gradients, the optimizer's
+    state, and ``held``, the three together with every storage counted once."""
+    params = [p for p in model.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    state = list(_state_tensors(opt))
+    return {"weight_bytes": _storage_bytes(params), "grad_bytes": _storage_bytes(grads),
+            "state_bytes": optimizer_state_bytes(opt),
+            "held_bytes": _storage_bytes(params + grads + state)}
 
 
 def optimizer_step_flops(opt: Optimizer) -> int:
@@ -226,6 +281,11 @@ class RunResult:
         return self.steps[-1]["state_bytes"]
 
     @property
+    def held_bytes(self) -> int:
+        """Most bytes of weights, gradients and optimizer state held during one step."""
+        return max(s["held_bytes"] for s in self.steps)
+
+    @property
     def max_state_bytes(self) -> int:
         return max(s["state_bytes"] for s in self.steps)
 
@@ -244,6 +304,7 @@ class RunResult:
             "final_val_loss": self.final_val_loss,
             "state_bytes": self.state_bytes,
             "max_state_bytes": self.max_state_bytes,
+            "held_bytes": self.held_bytes,
             "peak_memory": self.peak_memory,
             "peak_memory_kind": self.peak_memory_kind,
             "step_time": self.step_time,
@@ -315,7 +376,7 @@ def train(
     model: Optional[nn.Module] = None,
     data: Optional[TokenDataset] = None,
     name: str = "",
-    progress: bool = True,
+    progress: Union[bool, str] = True,
 ) -> RunResult:
     """Train ``model`` (default: a fresh ``config.model`` preset seeded with ``config.seed``)
     on ``data`` (default: ``load_corpus(config.data)``) with ``make_optimizer(model, config)``.
@@ -326,6 +387,10 @@ def train(
     (:func:`optimizer_step_flops`), sees every validation loss, and its reallocations reach
     the optimizer's ``apply_governor``. An optimizer with ``observe_loss`` (AdaFRUGAL) is fed
     every validation loss too. The model is trained in place.
+
+    ``progress``: ``"bar"`` draws a progress bar on stderr, ``"lines"`` writes one line per
+    evaluation there (for log files and CI, where a bar's carriage returns pile up), True
+    picks the bar on a terminal and the lines elsewhere, False writes nothing.
     """
     from tqdm.auto import tqdm
 
@@ -363,7 +428,10 @@ def train(
                        peak_memory_kind=peak.kind)
     flops = 0.0
     started = time.perf_counter()
-    bar = tqdm(total=config.steps, desc=name, unit="step", disable=not progress, leave=True)
+    if progress is True:
+        progress = "bar" if sys.stderr.isatty() else "lines"
+    bar = tqdm(total=config.steps, desc=name, unit="step", disable=progress != "bar",
+               leave=True)
     with bar:
         for step in range(1, config.steps + 1):
             _synchronize(device)
@@ -378,6 +446,7 @@ def train(
             opt.step()
             _synchronize(device)
             opt_time = time.perf_counter() - t_opt
+            memory = step_memory(model, opt)
             opt.zero_grad(set_to_none=True)
             lr = opt.param_groups[0]["lr"]
             schedule.step()
@@ -388,8 +457,7 @@ def train(
             flops += tokens * fpt + opt_flops
             record = {"step": step, "train_loss": train_loss, "lr": float(lr),
                       "step_time": step_time, "optimizer_time": opt_time,
-                      "state_bytes": optimizer_state_bytes(opt), "flops": flops,
-                      "peak_memory": peak.read()}
+                      **memory, "flops": flops, "peak_memory": peak.read()}
             for attr in ("rho", "update_gap"):
                 if hasattr(opt, attr):
                     record[attr] = getattr(opt, attr)
@@ -406,6 +474,10 @@ def train(
                 val_loss = _evaluate(model, val_batches)
                 result.evaluations.append({"step": step, "val_loss": val_loss, "flops": flops,
                                            "time": time.perf_counter() - started})
+                if progress == "lines":
+                    print(f"{name}: step {step}/{config.steps}, train loss {train_loss:.4f}, "
+                          f"val loss {val_loss:.4f}, {time.perf_counter() - started:.0f} s",
+                          file=sys.stderr, flush=True)
                 if observe_loss is not None:
                     observe_loss(val_loss)
                 if governor is not None:

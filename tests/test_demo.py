@@ -11,8 +11,8 @@ from frugal_kernels.__main__ import main
 from frugal_kernels.data import load_corpus
 from frugal_kernels.governor import optimizer_flops
 from frugal_kernels.model import LlamaForCausalLM, flops_per_token
-from frugal_kernels.train import (TrainConfig, lr_factor, optimizer_state_bytes,
-                                  optimizer_step_flops, steps_for_budget, train)
+from frugal_kernels.train import (TrainConfig, lr_factor, lr_groups, optimizer_state_bytes,
+                                  optimizer_step_flops, step_memory, steps_for_budget, train)
 
 MAX_BYTES = 200_000
 TINY = TrainConfig(model="tiny", steps=8, batch_size=2, seq_len=16, warmup_steps=2,
@@ -44,7 +44,13 @@ def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert (tmp_path / "run" / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(metrics["files"]) == sorted(str(tmp_path / "run" / f)
-                                              for f in ("metrics.json", "demo.png"))
+                                              for f in ("metrics.json", "table.md",
+                                                        "table.csv", "demo.png"))
+    assert (tmp_path / "run" / "table.md").read_text() == demo.table(saved) + "\n"
+    import csv
+    with open(tmp_path / "run" / "table.csv", newline="") as f:
+        table_rows = list(csv.reader(f))
+    assert table_rows[0][:3] == ["optimizer", "steps", "val loss"] and len(table_rows) == 1 + len(demo.OPTIMIZERS)
     runs = saved["runs"]
     assert list(runs) == list(demo.OPTIMIZERS)
     first_losses = {run["steps"][0]["train_loss"] for run in runs.values()}
@@ -205,6 +211,7 @@ BAD_ARGUMENTS = [
     (["demo", "--data", "/nonexistent/corpus"], "does not exist"),
     (["train", "--lr", "-1"], "--lr"),
     (["demo", "--lr", "nan"], "--lr"),
+    (["demo", "--matrix-lr-ratio", "0"], "--matrix-lr-ratio"),
     (["demo", "--batch-size", "0"], "--batch-size"),
     (["demo", "--seq-len", "1"], "--seq-len"),
     (["train", "--flop-budget", "-1"], "--flop-budget"),
@@ -241,7 +248,8 @@ def test_run_train_writes_one_run_and_refuses_a_governed_entry(tmp_path, corpus)
     assert list(metrics["runs"]) == ["frugal"]
     assert metrics["runs"]["frugal"]["summary"]["steps"] == TINY.steps
     assert sorted(metrics["files"]) == sorted(str(tmp_path / "t" / f)
-                                              for f in ("metrics.json", "train.png", "model.pt"))
+                                              for f in ("metrics.json", "table.md", "table.csv",
+                                                        "train.png", "model.pt"))
     with pytest.raises(ValueError, match="takes its budget from the 'adafrugal' run"):
         demo.run_train(TINY, "adafrugal+governor", data=corpus, out=tmp_path / "g")
 
@@ -252,3 +260,57 @@ def test_with_steps_keeps_the_schedule_in_proportion_unless_given():
     given = TrainConfig().with_steps(60, warmup_steps=1, eval_every=7)
     assert (given.warmup_steps, given.eval_every) == (1, 7)
     assert TrainConfig().with_steps(5).eval_every == 1
+
+
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("name", ["adamw", "frugal"])
+def test_memory_columns_are_the_bytes_of_the_tensors(name, corpus):
+    model = LlamaForCausalLM(TINY.model_config(corpus.vocab_size))
+    opt = demo.OPTIMIZERS[name].make(model, TINY)
+    loss = model(*next(corpus.batches("train", 2, 16, seed=0))).loss
+    loss.backward()
+    opt.step()
+    params = list(model.parameters())
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    memory = step_memory(model, opt)
+    assert memory["weight_bytes"] == _nbytes(params)
+    assert memory["grad_bytes"] == _nbytes(p.grad for p in params)
+    assert memory["state_bytes"] == _nbytes(state)
+    assert memory["held_bytes"] == _nbytes(params) * 2 + _nbytes(state)
+
+    result = train(TINY, demo.OPTIMIZERS[name].make, data=corpus, progress=False)
+    assert result.held_bytes == max(s["held_bytes"] for s in result.steps)
+    assert result.steps[-1]["held_bytes"] == (result.steps[-1]["weight_bytes"]
+                                              + result.steps[-1]["grad_bytes"]
+                                              + result.steps[-1]["state_bytes"])
+
+
+def test_lr_groups_give_the_matrices_their_own_lr():
+    model = LlamaForCausalLM(TINY.model_config(256))
+    groups = lr_groups(model, dataclasses.replace(TINY, lr=1e-2, matrix_lr_ratio=0.25))
+    assert [(g["projected"], g["lr"]) for g in groups] == [(False, 1e-2), (True, 2.5e-3)]
+    opt = demo.OPTIMIZERS["adamw"].make(model, dataclasses.replace(TINY, lr=1e-2,
+                                                                   matrix_lr_ratio=0.25))
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 2.5e-3]
+
+
+def test_progress_lines_off_a_terminal_and_nothing_when_quiet(corpus, capsys):
+    train(TINY, adamw, data=corpus, name="run", progress=True)  # capsys: not a terminal
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("run: step 4/8, train loss ")
+    assert len(err.splitlines()) == 2 and "\r" not in err
+    train(TINY, adamw, data=corpus, name="run", progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_quiet_demo_prints_only_the_table(tmp_path, capsys):
+    assert main(["demo", "--steps", "2", "--optimizers", "adamw", "--quiet", "--lr", "2e-3",
+                 "--matrix-lr-ratio", "0.5", "--out", str(tmp_path / "q"),
+                 *[a for a in TINY_ARGS if a != "--no-progress"]]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "held MB" in captured.out
+    saved = json.loads((tmp_path / "q" / "metrics.json").read_text())
+    assert saved["config"]["lr"] == 2e-3 and saved["config"]["matrix_lr_ratio"] == 0.5
