@@ -72,11 +72,17 @@ def _cpu(t: Tensors, h: SgdHyper) -> None:
     ext.sgd_cpu(kernel_batch(ext, *t), h.kernel(ext), torch.get_num_threads())
 
 
+def _triton(t: Tensors, h: SgdHyper) -> None:
+    from frugal_kernels.kernels.triton.sgd import sgd_
+
+    sgd_(*t, **h.values())
+
+
 def _torch(t: Tensors, h: SgdHyper) -> None:
     reference.sgd_(*t, **h.on_host())
 
 
-_IMPLS = {"cpu": _cpu, "torch": _torch}
+_IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
 
 
 def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
@@ -99,7 +105,7 @@ def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Se
         first_step: this call creates the buffers (torch's ``momentum_buffer``
             is None): they are overwritten with the gradient, whatever they held,
             and dampening does not apply.
-        backend: "auto", "cpu" or "torch" (DESIGN.md section 3).
+        backend: "auto", "cpu", "triton" or "torch" (DESIGN.md section 3).
 
     Raises ValueError / TypeError naming the offending argument before anything
     is written.
