@@ -116,8 +116,9 @@ def _check_groups(optimizer: Optimizer) -> None:
                 raise ValueError(f"swap: param group {i} holds a non-contiguous parameter; "
                                  "the fused ops update parameters in place and need them "
                                  "contiguous")
-            if p.grad is not None and p.grad.is_sparse:
-                raise ValueError(f"swap: param group {i} has a sparse gradient")
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise ValueError(f"swap: param group {i} has a sparse gradient "
+                                 f"({p.grad.layout}); the fused ops take dense gradients")
 
 
 def _with_grads(group: dict) -> List[Tensor]:

@@ -239,6 +239,13 @@ def test_unsupported_optimizers_and_params_raise():
         swap(torch.optim.SGD([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)], lr=0.1))
     with pytest.raises(ValueError, match="non-contiguous"):
         swap(torch.optim.SGD([torch.zeros(3, 4).t().requires_grad_()], lr=0.1))
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    opt = swap(torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9))
+    embedding(torch.tensor([1, 3])).sum().backward()
+    before = embedding.weight.detach().clone()
+    with pytest.raises(ValueError, match="sparse gradient"):
+        opt.step()
+    assert torch.equal(embedding.weight, before) and not opt.state
 
 
 def test_exported_at_the_top():
