@@ -10,6 +10,7 @@ from frugal_kernels._build_info import build_info
 from frugal_kernels import ops, reference
 from frugal_kernels.governor import Governor
 from frugal_kernels.optim import FRUGAL, AdaFRUGAL, BAdam, param_groups
+from frugal_kernels.optim.swap import swap
 
 __all__ = ["__version__", "build_info", "ops", "reference", "Governor", "FRUGAL", "AdaFRUGAL",
-           "BAdam", "param_groups"]
+           "BAdam", "param_groups", "swap"]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from frugal_kernels._layout import back_project, matrix_shape
 
-__all__ = ["adamw_", "sign_sgd_", "frugal_step_", "lowrank_step_"]
+__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_"]
 
 
 
@@ -77,6 +77,37 @@ def sign_sgd_(
     for p, g in zip(params, grads):
         p.copy_(_state_free_update(p.float(), g.float(), lr=lr, weight_decay=weight_decay,
                                    scale=scale, state_free="sign"))
+
+
+@torch.no_grad()
+def sgd_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    first_step: bool = False,
+) -> None:
+    """torch.optim.SGD's update; ``first_step`` sets the buffers to the gradient."""
+    buffers = momentum_buffers if momentum != 0 else [None] * len(params)
+    for p, g, buf in zip(params, grads, buffers):
+        p32 = p.float()
+        g32 = -g.float() if maximize else g.float()
+        if weight_decay != 0:
+            g32 = g32 + weight_decay * p32
+        if momentum != 0:
+            if first_step:
+                buf.copy_(g32)
+            else:
+                # (1 - dampening) * g as its own product: add_'s alpha may fuse into an FMA
+                buf.mul_(momentum).add_((1 - dampening) * g32)
+            g32 = g32 + momentum * buf if nesterov else buf
+        p.copy_(p32 - lr * g32)
 
 
 @torch.no_grad()

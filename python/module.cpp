@@ -172,8 +172,9 @@ struct Batch {
     }
     check_count("TensorBatch params", params.size(), numel.size());
     check_count("TensorBatch grads", grads.size(), numel.size());
-    if (!exp_avgs.empty() || !exp_avg_sqs.empty()) {
-      check_count("TensorBatch exp_avgs", exp_avgs.size(), numel.size());
+    // sgd_'s momentum buffers travel as exp_avgs alone; AdamW's moments come in pairs.
+    if (!exp_avgs.empty()) check_count("TensorBatch exp_avgs", exp_avgs.size(), numel.size());
+    if (!exp_avg_sqs.empty()) {
       check_count("TensorBatch exp_avg_sqs", exp_avg_sqs.size(), numel.size());
     }
   }
@@ -187,6 +188,7 @@ struct Batch {
   // (empty lists would hand the kernel null pointers).
   cpu::TensorBatch view_with_moments() const {
     check_count("TensorBatch exp_avgs", exp_avgs.size(), numel.size());
+    check_count("TensorBatch exp_avg_sqs", exp_avg_sqs.size(), numel.size());
     return view();
   }
 };
@@ -291,6 +293,14 @@ PYBIND11_MODULE(_C, m) {
       .field("lr", &SignSgdHyper::lr)
       .field("weight_decay", &SignSgdHyper::weight_decay)
       .field("scale", &SignSgdHyper::scale);
+  Record<SgdHyper>(m, "SgdHyper")
+      .field("lr", &SgdHyper::lr)
+      .field("momentum", &SgdHyper::momentum)
+      .field("dampening", &SgdHyper::dampening)
+      .field("weight_decay", &SgdHyper::weight_decay)
+      .field("nesterov", &SgdHyper::nesterov)
+      .field("maximize", &SgdHyper::maximize)
+      .field("first_step", &SgdHyper::first_step);
   Record<FrugalHyper> frugal_hyper(m, "FrugalHyper");
   adamw_fields(frugal_hyper, &FrugalHyper::adamw)
       .field("state_free", &FrugalHyper::state_free)
@@ -312,6 +322,13 @@ PYBIND11_MODULE(_C, m) {
     const cpu::TensorBatch t = b.view();
     py::gil_scoped_release nogil;
     cpu::sign_sgd(t, b.dtype, h, num_threads);
+  });
+  m.def("sgd_cpu", [](const Batch& b, const SgdHyper& h, int num_threads) {
+    // The momentum buffers, in the exp_avgs slot, are needed only with momentum.
+    if (h.momentum != 0.0) check_count("TensorBatch exp_avgs", b.exp_avgs.size(), b.numel.size());
+    const cpu::TensorBatch t = b.view();
+    py::gil_scoped_release nogil;
+    cpu::sgd(t, b.dtype, h, num_threads);
   });
   m.def("frugal_step_cpu",
         [](const Batch& b, const Subsets& s, const FrugalHyper& h, int num_threads) {

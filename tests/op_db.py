@@ -272,6 +272,83 @@ SIGN_SGD = OpInfo(
     compare=compare_bits, tensor_scalar_sample="mixed sizes and empty tensors",
 )
 
+# ---------------------------------------------------------------- sgd_
+
+SGD_HYPER = dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.05)
+
+
+def _sgd_sized(size):
+    def make(dtype, backend):
+        n = _size_for(backend, size)
+        params, grads, buffers, _ = make_batch([n, 3], dtype, seed=n)
+        return (params, grads, buffers), SGD_HYPER
+    return make
+
+
+def _sgd_first_step(dtype, backend):
+    # The buffers hold garbage: the first step must overwrite, not read, them.
+    params, grads, _, _ = make_batch([5, (4, 0), 1000, (7, 9)], dtype, seed=1)
+    buffers = [torch.full(p.shape, float("nan")) for p in params]
+    return (params, grads, buffers), {**SGD_HYPER, "first_step": True}
+
+
+def _sgd_nesterov(dtype, backend):
+    params, grads, buffers, _ = make_batch([0, 300, (33, 65)], dtype, seed=2)
+    return (params, grads, buffers), dict(lr=3e-3, momentum=0.8, weight_decay=0.01,
+                                          nesterov=True, maximize=True)
+
+
+def _sgd_plain(dtype, backend):
+    params, grads, _, _ = make_batch([7, 0, 4097], dtype, seed=3)
+    return (params, grads, []), dict(lr=0.1, weight_decay=0.2)
+
+
+def _sgd_errors():
+    def case(name, change, error, match, **overrides):
+        def make():
+            params, grads, buffers, _ = make_batch([10, 6], torch.float32, seed=4)
+            return change(params, grads, buffers), {**SGD_HYPER, **overrides}
+        return ErrorInput(name, make, error, match)
+
+    same = (lambda p, g, b: (p, g, b))
+    return (
+        case("buffer count", lambda p, g, b: (p, g, b[:1]), ValueError, "1 momentum_buffers"),
+        case("buffer dtype", lambda p, g, b: (p, g, [b[0].half(), b[1]]), TypeError,
+             "momentum_buffers[0]"),
+        case("buffer shape", lambda p, g, b: (p, g, [b[0], b[1][:2]]), ValueError,
+             "momentum_buffers[1] has shape"),
+        case("grad dtype", lambda p, g, b: (p, [g[0].double(), g[1]], b), TypeError,
+             "grads[0] has dtype"),
+        case("buffers without momentum", same, ValueError, "momentum_buffers must be empty",
+             momentum=0.0),
+        case("nesterov with dampening", same, ValueError, "nesterov needs", nesterov=True),
+        case("negative momentum", same, ValueError, "momentum must be >= 0", momentum=-0.5),
+        case("lr", same, ValueError, "lr must be finite", lr=float("inf")),
+    )
+
+
+def _sgd_opcheck():
+    params, grads, buffers, _ = make_batch([33, 4], torch.float32, seed=5)
+    return (params, grads, buffers, torch.tensor(1e-3), 0.9, 0.0, 0.01, True, False, False,
+            "auto")
+
+
+SGD = OpInfo(
+    name="sgd_", op=ops.sgd_, ref=reference.sgd_,
+    outputs=("params", "momentum_buffers"), output_positions=(0, 2), num_lists=3,
+    samples=(
+        *(SampleInput(f"size={n}", _sgd_sized(n), steps=3) for n in SIZES),
+        SampleInput("first step over garbage buffers", _sgd_first_step),
+        SampleInput("nesterov, maximize", _sgd_nesterov, steps=5),
+        SampleInput("no momentum", _sgd_plain, steps=2),
+    ),
+    error_inputs=_sgd_errors(),
+    opcheck_inputs=(("two tensors, nesterov", _sgd_opcheck),),
+    empty_kwargs=dict(lr=0.1),
+    compare=compare_bits, tensor_scalar_sample="nesterov, maximize",
+    isa_variants=({}, {"maximize": True}),
+)
+
 # ---------------------------------------------------------------- frugal_step_
 
 FRUGAL_HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -527,4 +604,4 @@ LOWRANK_STEP = OpInfo(
     compare=compare_lowrank, tensor_scalar_sample="many tensors",
 )
 
-OPS = (ADAMW, SIGN_SGD, FRUGAL_STEP, LOWRANK_STEP)
+OPS = (ADAMW, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP)

@@ -17,6 +17,7 @@ struct Level {
   bool (*supported)();
   void (*adamw)(const TensorBatch&, DType, const AdamWScalars&, int);
   void (*sign_sgd)(const TensorBatch&, DType, const SignScalars&, int);
+  void (*sgd)(const TensorBatch&, DType, const SgdScalars&, int);
   void (*frugal_step)(const TensorBatch&, const SubsetBatch&, DType, const FrugalScalars&, int);
   void (*lowrank_step)(const TensorBatch&, const float* const*, const float* const*, DType,
                        const SignScalars&, StateFree, int);
@@ -36,7 +37,7 @@ bool has_avx512() {
 #endif
 
 #define FK_LEVEL(ns, supported) \
-  Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::frugal_step, ns::lowrank_step }
+  Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step }
 
 const Level kLevels[] = {
 #if defined(FK_HAVE_X86_LEVELS)
@@ -106,6 +107,10 @@ void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threa
 
 void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, int num_threads) {
   active().sign_sgd(t, dtype, sign_scalars(h.lr, h.weight_decay, h.scale), num_threads);
+}
+
+void sgd(const TensorBatch& t, DType dtype, const SgdHyper& h, int num_threads) {
+  active().sgd(t, dtype, sgd_scalars(h), num_threads);
 }
 
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,

@@ -47,6 +47,7 @@ FK_HOST_DEVICE FrugalScalars frugal_scalars(const FrugalHyper& h) {
   namespace ns {                                                                              \
   void adamw(const TensorBatch& t, DType dtype, const AdamWScalars& s, int num_threads);      \
   void sign_sgd(const TensorBatch& t, DType dtype, const SignScalars& s, int num_threads);    \
+  void sgd(const TensorBatch& t, DType dtype, const SgdScalars& s, int num_threads);          \
   void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype,                 \
                    const FrugalScalars& s, int num_threads);                                  \
   void lowrank_step(const TensorBatch& t, const float* const* up_updates,                     \
@@ -72,6 +73,9 @@ bool openmp_enabled();
 
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threads);
 void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, int num_threads);
+// SGD with momentum: the momentum buffers travel in t.exp_avgs (unread when
+// h.momentum is 0, and then may be absent).
+void sgd(const TensorBatch& t, DType dtype, const SgdHyper& h, int num_threads);
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                  int num_threads);
 // The elementwise part of a low-rank FRUGAL step (the GEMMs run in torch):

@@ -30,6 +30,24 @@ void state_free_range(T* __restrict__ p, const T* __restrict__ g, int64_t n, con
   }
 }
 
+// Without momentum there is no buffer: `buf` is null and never read.
+template <typename T>
+void sgd_range(T* __restrict__ p, const T* __restrict__ g, float* __restrict__ buf, int64_t n,
+               const SgdScalars s) {
+  if (s.use_momentum) {
+    for (int64_t i = 0; i < n; ++i) {
+      float bi = buf[i];
+      p[i] = from_float<T>(sgd_update(to_float(p[i]), to_float(g[i]), bi, s));
+      buf[i] = bi;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      float unused = 0.f;
+      p[i] = from_float<T>(sgd_update(to_float(p[i]), to_float(g[i]), unused, s));
+    }
+  }
+}
+
 }  // namespace FK_CPU_ISA
 }  // namespace cpu
 }  // namespace frugal

@@ -1,6 +1,7 @@
 """Whole optimizer steps on a LLaMA-shaped parameter set: state bytes and step time.
 
-Peers measured in the same run: torch.optim.AdamW (fused and foreach), a
+Peers measured in the same run: torch.optim.AdamW (fused, foreach, and
+swapped onto the fused ops by ``frugal_kernels.swap``), a
 per-parameter loop written like the FRUGAL paper's code, and, when installed,
 bitsandbytes / torchao 8-bit and 4-bit AdamW. BAdam is measured with one layer
 active, on its own copy of the parameter set: it clears the gradients and
@@ -96,6 +97,8 @@ def optimizer_factories(model: nn.Module) -> Dict[str, Callable[[], torch.optim.
     factories = {
         "torch_adamw_fused": lambda: torch.optim.AdamW(params, fused=True, **hyper),
         "torch_adamw_foreach": lambda: torch.optim.AdamW(params, foreach=True, **hyper),
+        # The same torch.optim.AdamW stepping on frugal::adamw_ (frugal_kernels.swap).
+        "torch_adamw_swapped": lambda: fk.swap(torch.optim.AdamW(params, **hyper)),
         "frugal_blocks": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25, **hyper),
         "frugal_blocks_all_projected": lambda: fk.FRUGAL(_all_projected(model), density=0.25,
                                                          **hyper),

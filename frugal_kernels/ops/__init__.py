@@ -5,6 +5,7 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
 
 - :func:`adamw_` — AdamW with decoupled weight decay;
 - :func:`sign_sgd_` — SignSGD with decoupled weight decay;
+- :func:`sgd_` — torch.optim.SGD: momentum, dampening, Nesterov, L2 weight decay;
 - :func:`frugal_step_` — the fused FRUGAL update: AdamW on a state-full subset
   of rows, columns or coordinates with compact moments, SignSGD elsewhere;
 - :func:`lowrank_step_` — the weight update of FRUGAL's low-rank projections:
@@ -18,7 +19,8 @@ from frugal_kernels.ops._dispatch import BACKENDS, CAPABILITIES, resolve, usable
 from frugal_kernels.ops.adamw import adamw_
 from frugal_kernels.ops.frugal_step import frugal_step_
 from frugal_kernels.ops.lowrank_step import lowrank_step_
+from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
-__all__ = ["adamw_", "sign_sgd_", "frugal_step_", "lowrank_step_", "BACKENDS", "CAPABILITIES",
+__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "BACKENDS", "CAPABILITIES",
            "resolve", "usable_backends"]

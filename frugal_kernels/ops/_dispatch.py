@@ -24,6 +24,8 @@ _AUTO_ORDER = {"cpu": ("cpu", "torch"), "cuda": ("cuda", "triton", "torch")}
 CAPABILITIES = {
     "frugal::adamw_": frozenset(BACKENDS),
     "frugal::sign_sgd_": frozenset(BACKENDS),
+    # No CUDA-C kernel yet: on GPU tensors "auto" picks triton.
+    "frugal::sgd_": frozenset(("cpu", "triton", "torch")),
     "frugal::frugal_step_": frozenset(BACKENDS),
     # The GEMMs run in torch (cpu) or in the Triton kernel; no CUDA-C version.
     "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),

@@ -176,6 +176,7 @@ def test_device_scalars_do_not_sync():
     def run():
         ops.adamw_([p], [g], [m], [v], lr=lr, step=step, backend="triton", **HYPER)
         ops.sign_sgd_([p], [g], lr=lr, backend="triton")
+        ops.sgd_([p], [g], [m], lr=lr, momentum=0.9, nesterov=True, backend="triton")
         ops.frugal_step_([p], [g], [fm], [fv], [idx], kind="flat", lr=lr, step=step,
                          backend="triton", check_indices=False, **HYPER)
         ops.lowrank_step_([p.view(100, 100)], [g.view(100, 100)], [low], [low], [proj], [0],

@@ -38,7 +38,7 @@ HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    yield from interpreted(("_common", "adamw", "sign_sgd", "frugal_step"))
+    yield from interpreted(("_common", "adamw", "sign_sgd", "sgd", "frugal_step"))
 
 
 def clone(state):
@@ -113,6 +113,33 @@ def test_sign_sgd(dtype):
                       backend=backend)
 
     check_steps(([randn(n, dtype, gen) for n in SIZES],), make_grads, update)
+
+
+# ---------------------------------------------------------------- sgd_
+
+SGD_OPTIONS = {
+    "momentum": dict(momentum=0.9, dampening=0.2, weight_decay=0.1),
+    "nesterov, maximize": dict(momentum=0.8, nesterov=True, maximize=True, weight_decay=0.01),
+    "no momentum": dict(weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("options", list(SGD_OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sgd(dtype, options):
+    gen = torch.Generator().manual_seed(0)
+    hyper = SGD_OPTIONS[options]
+    with_buffers = "momentum" in hyper
+
+    def update(state, grads, backend, step):
+        ops.sgd_(state[0], grads, state[1], lr=scalar(1e-2, step), first_step=step == 1,
+                 backend=backend, **hyper)
+
+    # The buffers start as NaN: the first step must overwrite them unread.
+    buffers = [torch.full((n,), float("nan")) for n in SIZES] if with_buffers else []
+    check_steps(([randn(n, dtype, gen) for n in SIZES], buffers),
+                lambda: [randn(n, dtype, gen) for n in SIZES], update,
+                names=("params", "momentum_buffers"))
 
 
 # ---------------------------------------------------------------- frugal_step_
@@ -248,7 +275,12 @@ def test_scalars_in_kernel(kernels, beta1):
             v = [torch.full(s, 0.2) for s in shapes]
             fm = [torch.full(state_shape(t, "rows", i.numel()), 0.1) for t, i in zip(r, idx)]
             fv = [torch.full_like(t, 0.2) for t in fm]
+            sp = [t.clone() for t in start]
+            sb = [torch.full(s, 0.3) for s in shapes]
+            sgd = dict(momentum=0.9, dampening=0.1, weight_decay=0.1)
             if how == "kernel":
+                kernels["sgd"].sgd_(sp, grads, sb, lr=lr, nesterov=False, maximize=False,
+                                    first_step=step == 1, scalars_in_kernel=True, **sgd)
                 kernels["adamw"].adamw_(p, grads, m, v, lr=lr, step=step_t, maximize=False,
                                         scalars_in_kernel=True, **hyper)
                 kernels["sign_sgd"].sign_sgd_(q, grads, lr=lr, weight_decay=0.1, scale=0.5,
@@ -261,9 +293,10 @@ def test_scalars_in_kernel(kernels, beta1):
                 ops.sign_sgd_(q, grads, lr=lr, weight_decay=0.1, scale=0.5, backend="cpu")
                 ops.frugal_step_(r, grads, fm, fv, idx, kind="rows", lr=lr, step=step_t,
                                  state_free="sgd", state_free_scale=0.5, backend="cpu", **hyper)
-            outs[how] = (p, m, v, q, r, fm, fv)
+                ops.sgd_(sp, grads, sb, lr=lr, first_step=step == 1, backend="cpu", **sgd)
+            outs[how] = (p, m, v, q, r, fm, fv, sp, sb)
         for name, a, b in zip(("adamw p", "m", "v", "sign_sgd p", "frugal p", "frugal m",
-                               "frugal v"), outs["kernel"], outs["cpu"]):
+                               "frugal v", "sgd p", "sgd buffer"), outs["kernel"], outs["cpu"]):
             assert_same_bits(a, b, f"{name} at step {step}")
 
 

@@ -118,4 +118,49 @@ FK_HOST_DEVICE float lowrank_update(float p, float g, float up_update, float up_
   return state_free_update<Mode>(p, g - up_grad, s) + up_update;
 }
 
+
+// Hyper-parameters of one sgd_ call: torch.optim.SGD's, plus whether this
+// call creates the momentum buffers (torch's first step sets them to the
+// gradient, without dampening).
+struct SgdHyper {
+  double lr;
+  double momentum;
+  double dampening;
+  double weight_decay;
+  bool nesterov;
+  bool maximize;
+  bool first_step;
+};
+
+struct SgdScalars {
+  float lr;
+  float momentum;
+  float one_minus_dampening;
+  float weight_decay;
+  bool use_momentum;  // momentum != 0: the buffers exist and are updated
+  bool nesterov;
+  bool maximize;
+  bool first_step;
+};
+
+FK_HOST_DEVICE SgdScalars sgd_scalars(const SgdHyper& h) {
+  return SgdScalars{float(h.lr), float(h.momentum), float(1.0 - h.dampening),
+                    float(h.weight_decay), h.momentum != 0.0, h.nesterov, h.maximize,
+                    h.first_step};
+}
+
+// One SGD coordinate in the order of torch.optim.SGD(foreach=False): the
+// sign for maximize, coupled (L2) weight decay into the gradient, the
+// momentum buffer, the Nesterov look-ahead. buf is updated in place when
+// momentum is on; the new parameter value is returned.
+FK_HOST_DEVICE float sgd_update(float p, float g, float& buf, const SgdScalars& s) {
+  if (s.maximize) g = -g;
+  if (s.weight_decay != 0.f) g = g + s.weight_decay * p;
+  if (s.use_momentum) {
+    buf = s.first_step ? g : buf * s.momentum + s.one_minus_dampening * g;
+    g = s.nesterov ? g + s.momentum * buf : buf;
+  }
+  return p - s.lr * g;
+}
+
 }  // namespace frugal

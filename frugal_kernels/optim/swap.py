@@ -1,0 +1,205 @@
+"""``swap(optimizer)``: run an existing torch.optim AdamW, Adam or SGD on the fused ops.
+
+The swap patches the step of the given instance and changes nothing else: the
+param groups, their hyper-parameters, ``optimizer.state`` and so
+``state_dict()`` keep torch's layout (``step`` as a scalar tensor,
+``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), so a checkpoint written
+before the swap loads after it and the reverse, and every reference to the
+optimizer (an LR scheduler, a training loop, hooks) keeps working. The new
+step runs torch's step hooks and profiler label as the original does.
+
+Math follows ``torch.optim``'s single-tensor path to rounding: AdamW's
+decoupled weight decay is ``adamw_``'s own; Adam's coupled (L2) decay is
+added to the gradient first (``g + weight_decay * p``, one extra pass) and
+``adamw_`` then runs without decay; SGD runs on ``sgd_``.
+
+What a swapped step refuses, with a ValueError naming the group and option:
+``amsgrad``, ``capturable`` and ``differentiable`` set, sparse gradients,
+non-contiguous parameters and parameters that are not float32 (torch keeps their state in the parameter's
+dtype, which the fused ops, with float32 state, do not store). The
+``foreach`` and ``fused`` flags are ignored: the fused ops replace both
+paths (a ``fused`` group's new ``step`` tensors still live where torch's
+fused path puts them, on the parameter's device).
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, _get_scalar_dtype
+
+from frugal_kernels import ops
+
+__all__ = ["swap"]
+
+# Where the swap keeps what it replaced: the instance's own ``step``
+# attribute before the swap (an LR scheduler's wrapper, say), or None.
+_SAVED = "_frugal_swap_saved_step"
+_REFUSED = ("amsgrad", "capturable", "differentiable")
+
+
+def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> Optimizer:
+    """Make ``optimizer.step`` run on the fused ops; returns the same optimizer.
+
+    ``optimizer`` is a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` instance (not
+    a subclass, whose step may differ). Swapping a swapped optimizer changes
+    nothing; ``swap(optimizer, undo=True)`` restores the original step, and the
+    state written meanwhile carries over.
+
+    Args:
+        backend: the backend of the fused ops ("auto" by default, see
+            DESIGN.md section 3).
+        undo: restore the original step instead.
+
+    Raises:
+        TypeError: for an optimizer of another type.
+        ValueError: for an option the swapped step does not honour (see the
+            module docstring); checked now and again at every step, since
+            param groups may change.
+    """
+    if undo:
+        if _SAVED not in optimizer.__dict__:
+            raise ValueError("swap(undo=True): this optimizer was not swapped")
+        saved = optimizer.__dict__.pop(_SAVED)
+        del optimizer.step
+        if saved is not None:
+            optimizer.step = saved
+        return optimizer
+    kind = type(optimizer)
+    if kind not in _STEPS:
+        raise TypeError(f"swap supports torch.optim.AdamW, Adam and SGD instances, got "
+                        f"{kind.__module__}.{kind.__qualname__}")
+    if _SAVED in optimizer.__dict__:
+        return optimizer
+    _check_groups(optimizer)
+    group_step = _STEPS[kind]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # An LR scheduler attached before the swap watches this flag.
+        self._opt_called = True
+        _check_groups(self)
+        for group in self.param_groups:
+            group_step(self, group, backend)
+        return loss
+
+    hooked = Optimizer.profile_hook_step(step)
+    # Tells LR schedulers made after the swap that this step already sets
+    # _opt_called (they would otherwise wrap it again).
+    hooked._wrapped_by_lr_sched = True
+    optimizer.__dict__[_SAVED] = optimizer.__dict__.get("step")
+    optimizer.step = types.MethodType(hooked, optimizer)
+    return optimizer
+
+
+def _check_groups(optimizer: Optimizer) -> None:
+    for i, group in enumerate(optimizer.param_groups):
+        for option in _REFUSED:
+            if group.get(option, False):
+                raise ValueError(f"swap: param group {i} sets {option}=True, which the fused "
+                                 "ops do not implement; leave the optimizer unswapped or "
+                                 f"set {option}=False")
+        for p in group["params"]:
+            if p.dtype != torch.float32:
+                raise ValueError(f"swap: param group {i} holds a {p.dtype} parameter; the "
+                                 "swapped step runs float32 parameters only (torch keeps "
+                                 "other dtypes' state in their own dtype)")
+            if not p.is_contiguous():
+                raise ValueError(f"swap: param group {i} holds a non-contiguous parameter; "
+                                 "the fused ops update parameters in place and need them "
+                                 "contiguous")
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise ValueError(f"swap: param group {i} has a sparse gradient "
+                                 f"({p.grad.layout}); the fused ops take dense gradients")
+
+
+def _with_grads(group: dict) -> List[Tensor]:
+    return [p for p in group["params"] if p.grad is not None]
+
+
+# ------------------------------------------------------------------ Adam(W)
+
+def _new_step(group: dict, p: Tensor) -> Tensor:
+    """``state["step"]`` as torch creates it for this group."""
+    if group.get("fused"):
+        return torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=True), device=p.device)
+    return torch.tensor(0.0, dtype=_get_scalar_dtype())
+
+
+def _adam_group(optimizer: Optimizer, group: dict, backend: str) -> None:
+    decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
+    beta1, beta2 = (float(b) for b in group["betas"])
+    weight_decay = float(group["weight_decay"])
+    maximize = bool(group["maximize"])
+    # One call per device and step count (params added later count their own steps).
+    calls: Dict[Tuple[torch.device, float], List[Tensor]] = defaultdict(list)
+    for p in _with_grads(group):
+        state = optimizer.state[p]
+        if len(state) == 0:
+            state["step"] = _new_step(group, p)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        calls[(p.device, float(state["step"]))].append(p)
+    for (_, step), params in calls.items():
+        grads = [p.grad for p in params]
+        kwargs = dict(weight_decay=weight_decay, maximize=maximize)
+        if not decoupled and weight_decay != 0:
+            # torch.optim.Adam: g = (-g if maximize) + weight_decay * p, then no decay.
+            if maximize:
+                grads = torch._foreach_neg(grads)
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+            kwargs = dict(weight_decay=0.0, maximize=False)
+        ops.adamw_(params, grads, [optimizer.state[p]["exp_avg"] for p in params],
+                   [optimizer.state[p]["exp_avg_sq"] for p in params], lr=group["lr"],
+                   beta1=beta1, beta2=beta2, eps=float(group["eps"]), step=step,
+                   backend=backend, **kwargs)
+
+
+# --------------------------------------------------------------------- SGD
+
+def _sgd_group(optimizer: Optimizer, group: dict, backend: str) -> None:
+    momentum = float(group["momentum"])
+    hyper = dict(lr=group["lr"], momentum=momentum, dampening=float(group["dampening"]),
+                 weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
+                 maximize=bool(group["maximize"]), backend=backend)
+    params = _with_grads(group)
+    if momentum == 0:
+        # torch keeps no state without momentum.
+        for device_params in _by_device(params).values():
+            ops.sgd_(device_params, [p.grad for p in device_params], [], **hyper)
+        return
+    # A param without a buffer starts it from its gradient: its own call.
+    calls: Dict[Tuple[torch.device, bool], List[Tensor]] = defaultdict(list)
+    for p in params:
+        state = optimizer.state[p]
+        first = state.get("momentum_buffer") is None
+        if first:
+            state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        calls[(p.device, first)].append(p)
+    for (_, first), call_params in calls.items():
+        ops.sgd_(call_params, [p.grad for p in call_params],
+                 [optimizer.state[p]["momentum_buffer"] for p in call_params], first_step=first,
+                 **hyper)
+
+
+def _by_device(params: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
+    out: Dict[torch.device, List[Tensor]] = defaultdict(list)
+    for p in params:
+        out[p.device].append(p)
+    return out
+
+
+_STEPS: Dict[type, Callable[[Optimizer, dict, str], None]] = {
+    torch.optim.AdamW: _adam_group,
+    torch.optim.Adam: _adam_group,
+    torch.optim.SGD: _sgd_group,
+}

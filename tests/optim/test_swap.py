@@ -1,0 +1,252 @@
+"""frugal_kernels.swap: torch.optim's AdamW, Adam and SGD on the fused ops, same object,
+same state, same results."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import frugal_kernels
+from frugal_kernels import swap
+
+from ..ops.helpers import rel_diff
+
+SHAPES = [(17, 9), (33,), (4, 5, 6), (1,), (128, 3)]
+STEPS = 60
+
+# (optimizer class, per-group options, defaults): three groups each, every
+# option of the class that the swap honours set in at least one group.
+CONFIGS = {
+    "adamw": (torch.optim.AdamW,
+              [dict(lr=2e-3), dict(weight_decay=0.0, betas=(0.8, 0.95)),
+               dict(maximize=True, eps=1e-6)],
+              dict(lr=1e-3, weight_decay=0.1)),
+    "adam-l2": (torch.optim.Adam,
+                [dict(), dict(weight_decay=0.0), dict(maximize=True, lr=5e-4)],
+                dict(lr=1e-3, weight_decay=0.05)),
+    "sgd-momentum": (torch.optim.SGD,
+                     [dict(), dict(dampening=0.3, weight_decay=0.0), dict(maximize=True)],
+                     dict(lr=1e-2, momentum=0.9, weight_decay=0.01)),
+    "sgd-nesterov": (torch.optim.SGD,
+                     [dict(), dict(momentum=0.5, lr=3e-2), dict(weight_decay=0.0)],
+                     dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.02)),
+    "sgd-plain": (torch.optim.SGD,
+                  [dict(), dict(weight_decay=0.0), dict(maximize=True)],
+                  dict(lr=5e-2, weight_decay=0.1)),
+}
+BACKENDS = ["auto", "torch"]
+
+
+def make_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).requires_grad_() for s in SHAPES]
+
+
+def make_optimizer(name, params):
+    cls, group_options, defaults = CONFIGS[name]
+    groups = [dict(params=params[0:2], **group_options[0]),
+              dict(params=params[2:4], **group_options[1]),
+              dict(params=params[4:], **group_options[2])]
+    # foreach=False: the single-tensor path whose order of operations the ops follow.
+    return cls(groups, foreach=False, **defaults)
+
+
+def set_grads(params, k):
+    """Gradients of step k: deterministic, depending on the params (cos keeps
+    them away from 0, where a relative comparison means nothing); param 1 has
+    none on every third step (torch skips it; so must the swap)."""
+    gen = torch.Generator().manual_seed(1000 + k)
+    for i, p in enumerate(params):
+        if i == 1 and k % 3 == 0:
+            p.grad = None
+        else:
+            p.grad = torch.cos(p.detach()) + 0.1 * torch.randn(p.shape, generator=gen)
+
+
+def run(opt, params, steps, sched=None, first=0):
+    for k in range(first, first + steps):
+        set_grads(params, k)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def assert_same(actual, expected, what="params"):
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert rel_diff(a.detach(), e.detach()) <= 1e-6, f"{what}[{i}]: {rel_diff(a, e)}"
+
+
+def assert_same_state(actual, expected):
+    """Two optimizers' state_dicts: one layout, values within 1e-6 relative."""
+    sa, se = actual.state_dict(), expected.state_dict()
+    assert sa["param_groups"] == se["param_groups"]
+    assert sa["state"].keys() == se["state"].keys()
+    for key, state in se["state"].items():
+        got = sa["state"][key]
+        assert got.keys() == state.keys(), key
+        for name, value in state.items():
+            if name == "step":
+                assert got[name].dtype == value.dtype and got[name].device == value.device
+                assert torch.equal(got[name], value)
+            elif value is None:
+                assert got[name] is None
+            else:
+                assert got[name].dtype == value.dtype and got[name].shape == value.shape
+                assert rel_diff(got[name], value) <= 1e-6, (key, name, rel_diff(got[name], value))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_swapped_optimizer_matches_the_original(name, backend):
+    ref_params, params = make_params(), make_params()
+    ref, opt = make_optimizer(name, ref_params), make_optimizer(name, params)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=7, gamma=0.7)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no scheduler warning about the patched step
+        assert swap(opt, backend=backend) is opt
+        run(ref, ref_params, STEPS, ref_sched)
+        run(opt, params, STEPS, sched)
+    assert sched.last_epoch == STEPS and opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    assert_same(params, ref_params)
+    assert_same_state(opt, ref)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam-l2", "sgd-momentum"])
+def test_a_group_added_after_the_swap_counts_its_own_steps(name):
+    ref_params, params = make_params(), make_params()
+    extra_ref, extra = torch.randn(10, 3).requires_grad_(), None
+    extra = extra_ref.detach().clone().requires_grad_()
+    ref, opt = make_optimizer(name, ref_params), swap(make_optimizer(name, params))
+    run(ref, ref_params, 20)
+    run(opt, params, 20)
+    ref.add_param_group(dict(params=[extra_ref], lr=4e-3))
+    opt.add_param_group(dict(params=[extra], lr=4e-3))
+    run(ref, ref_params + [extra_ref], 20, first=20)
+    run(opt, params + [extra], 20, first=20)
+    assert_same(params + [extra], ref_params + [extra_ref])
+    assert_same_state(opt, ref)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_checkpoints_cross_the_swap_both_ways(name):
+    ref_params = make_params()
+    ref = make_optimizer(name, ref_params)
+    run(ref, ref_params, 10)
+    before = copy.deepcopy(ref.state_dict())
+    before_params = [p.detach().clone() for p in ref_params]
+    run(ref, ref_params, 20, first=10)
+
+    # Written unswapped, loaded swapped.
+    params = [p.clone().requires_grad_() for p in before_params]
+    opt = swap(make_optimizer(name, params))
+    opt.load_state_dict(before)
+    run(opt, params, 10, first=10)
+    middle = copy.deepcopy(opt.state_dict())
+    middle_params = [p.detach().clone() for p in params]
+    run(opt, params, 10, first=20)
+    assert_same(params, ref_params)
+    assert_same_state(opt, ref)
+
+    # Written swapped, loaded unswapped.
+    plain_params = [p.clone().requires_grad_() for p in middle_params]
+    plain = make_optimizer(name, plain_params)
+    plain.load_state_dict(middle)
+    run(plain, plain_params, 10, first=20)
+    assert_same(plain_params, ref_params)
+    assert_same_state(plain, ref)
+
+
+def test_undo_restores_the_original_step_and_keeps_the_state():
+    ref_params, params = make_params(), make_params()
+    ref, opt = make_optimizer("adamw", ref_params), make_optimizer("adamw", params)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (k + 1))
+    torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1 / (k + 1))
+    scheduler_step = opt.step
+    swap(opt)
+    assert opt.step is not scheduler_step
+    run(opt, params, 10, sched)
+    assert swap(opt, undo=True) is opt
+    assert opt.step == scheduler_step  # the scheduler's wrapper of the original step is back
+    run(opt, params, 10, sched, first=10)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda k: 1 / (k + 1))
+    run(ref, ref_params, 20, ref_sched)
+    assert_same(params, ref_params)
+    with pytest.raises(ValueError, match="was not swapped"):
+        swap(opt, undo=True)
+
+
+def test_swap_is_idempotent_and_keeps_hooks_and_late_schedulers():
+    params = make_params()
+    opt = make_optimizer("sgd-momentum", params)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    swap(opt)
+    swapped = opt.step
+    assert swap(opt) is opt and opt.step == swapped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        run(opt, params, 2, sched)
+    assert calls == ["pre", "post"] * 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
+
+
+def test_closure_loss_is_returned():
+    params = make_params()
+    opt = swap(make_optimizer("adam-l2", params))
+
+    def closure():
+        opt.zero_grad()
+        loss = sum((p ** 2).sum() for p in params)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "differentiable", "capturable"])
+def test_unsupported_options_raise(option):
+    params = make_params()
+    with pytest.raises(ValueError, match=f"sets {option}=True"):
+        swap(torch.optim.Adam(params, **{option: True}))
+    # Set after the swap: the step refuses it before changing anything.
+    opt = swap(torch.optim.AdamW(params))
+    opt.param_groups[0][option] = True
+    set_grads(params, 0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=f"sets {option}=True"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not opt.state
+
+
+def test_unsupported_optimizers_and_params_raise():
+    params = make_params()
+    with pytest.raises(TypeError, match="got torch.optim.rmsprop.RMSprop"):
+        swap(torch.optim.RMSprop(params))
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    with pytest.raises(TypeError, match="MyAdamW"):
+        swap(MyAdamW(params))
+    with pytest.raises(ValueError, match="torch.bfloat16 parameter"):
+        swap(torch.optim.SGD([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)], lr=0.1))
+    with pytest.raises(ValueError, match="non-contiguous"):
+        swap(torch.optim.SGD([torch.zeros(3, 4).t().requires_grad_()], lr=0.1))
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    opt = swap(torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9))
+    embedding(torch.tensor([1, 3])).sum().backward()
+    before = embedding.weight.detach().clone()
+    with pytest.raises(ValueError, match="sparse gradient"):
+        opt.step()
+    assert torch.equal(embedding.weight, before) and not opt.state
+
+
+def test_exported_at_the_top():
+    assert frugal_kernels.swap is swap and "swap" in frugal_kernels.__all__
