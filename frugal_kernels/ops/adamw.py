@@ -64,6 +64,16 @@ def _adamw_op(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
               weight_decay: float, step: Tensor, maximize: bool, backend: str) -> None:
     _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
            maximize, backend)
+    apply(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
+          maximize, backend)
+
+
+def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+          exp_avg_sqs: List[Tensor], lr: Tensor, beta1: float, beta2: float, eps: float,
+          weight_decay: float, step: Tensor, maximize: bool, backend: str) -> None:
+    """The op's body after its metadata checks, with the op's signature: also the
+    optimizers' prepared calls (:mod:`frugal_kernels.ops.prepared`), which check
+    the metadata once per plan."""
     check_scalars(OP, lr, step)
     if not params:
         return

@@ -101,6 +101,15 @@ def _frugal_step_op(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Te
                     state_free: str, state_free_scale: float, backend: str) -> None:
     _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
            weight_decay, step, state_free, state_free_scale, backend)
+    apply(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
+          weight_decay, step, state_free, state_free_scale, backend)
+
+
+def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+          exp_avg_sqs: List[Tensor], indices: List[Tensor], kind: str, lr: Tensor,
+          beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
+          state_free: str, state_free_scale: float, backend: str) -> None:
+    """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`)."""
     check_scalars(OP, lr, step)
     # Empty tensors have nothing to update (and no [R, C] view to speak of).
     keep = [i for i, p in enumerate(params) if p.numel() > 0]

@@ -92,6 +92,14 @@ def _lowrank_step_op(params: List[Tensor], grads: List[Tensor], low_updates: Lis
                      backend: str) -> None:
     _check(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
            state_free, state_free_scale, backend)
+    apply(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
+          state_free, state_free_scale, backend)
+
+
+def apply(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
+          low_grads: List[Tensor], projections: List[Tensor], sides: List[int], lr: Tensor,
+          weight_decay: float, state_free: str, state_free_scale: float, backend: str) -> None:
+    """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`)."""
     check_scalars(OP, lr)
     keep = [i for i, p in enumerate(params) if p.numel() > 0]
     if not keep:

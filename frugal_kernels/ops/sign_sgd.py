@@ -40,6 +40,12 @@ def _check(params, grads, lr, weight_decay, scale, backend) -> None:
 def _sign_sgd_op(params: List[Tensor], grads: List[Tensor], lr: Tensor, weight_decay: float,
                  scale: float, backend: str) -> None:
     _check(params, grads, lr, weight_decay, scale, backend)
+    apply(params, grads, lr, weight_decay, scale, backend)
+
+
+def apply(params: List[Tensor], grads: List[Tensor], lr: Tensor, weight_decay: float,
+          scale: float, backend: str) -> None:
+    """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`)."""
     check_scalars(OP, lr)
     if not params:
         return

@@ -56,6 +56,8 @@ class FusedOptimizer(Optimizer):
         self._plan: Optional[List[Bucket]] = None
         self._plan_key: Optional[tuple] = None
         self._lr_tensors: Dict[int, Tensor] = {}
+        self._steps: List[Tensor] = []
+        self._steps_plan: Optional[List[Bucket]] = None  # the plan self._steps lists
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------- subclass hooks
@@ -178,7 +180,12 @@ class FusedOptimizer(Optimizer):
                 # A group whose tensors have no gradients yet has no bucket, so
                 # its lr tensor may not exist yet.
                 self._group_lr(gi, group).fill_(group["lr"])
-        steps = plan.step_counters(self._plan, self.state)
+        if self._steps_plan is not self._plan:
+            # The counters are replaced only when the plan is rebuilt (new moments, a
+            # loaded state dict): listed once per plan.
+            self._steps = plan.step_counters(self._plan, self.state)
+            self._steps_plan = self._plan
+        steps = self._steps
         if steps:
             torch._foreach_add_(steps, 1.0)
         return self._plan, [[p.grad for p in b.params] for b in self._plan]
@@ -384,11 +391,14 @@ def _first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
     GradScaler's own check (one fused read of the gradients per device, multiplying
     them by 1.0, which leaves every value as it was) and one host sync per device; the
     gradient is named by a second pass, only when one is found."""
-    by_device: Dict[torch.device, List[Tuple[int, int, Tensor]]] = defaultdict(list)
-    for item in with_grads:
-        if item[2].numel():
-            by_device[item[2].device].append(item)
-    for device, items in by_device.items():
+    device = with_grads[0][2].device
+    if all(p.device == device for _, _, p in with_grads):
+        groups = {device: with_grads}  # the common case, without a dict of lists
+    else:
+        groups = defaultdict(list)
+        for item in with_grads:
+            groups[item[2].device].append(item)
+    for device, items in groups.items():
         found = torch.zeros(1, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(
             [p.grad for _, _, p in items], found, torch.ones(1, device=device))

@@ -8,21 +8,30 @@ changes only when a subspace or the set of tensors with gradients changes, so
 it is built outside torch.compile's graphs and reused between changes.
 
 A new rule (a quantized update, say) is a new entry in :data:`RUNNERS`.
+
+A bucket's first call goes through the registered ops, which check every
+argument; the calls after it, while its params are the tensors that call
+checked (same storage, shape and dtype), take the ops' unchecked faces
+(:mod:`frugal_kernels.ops.unchecked`: the same kernels without the per-tensor
+checks and torch.library's Python dispatch), except under torch.compile, whose
+graphs call the registered ops. What can change between steps (the gradients,
+the options and lr) is checked by the optimizer at every step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from frugal_kernels import ops
+from frugal_kernels.ops import unchecked
 from frugal_kernels._layout import lowrank_side, project
 
 __all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
-           "run", "step_counters"]
+           "run", "signature", "step_counters"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,18 @@ class Bucket:
     group: dict
     lr: Tensor                     # the group's lr as a 0-dim tensor
     params: List[Tensor] = field(default_factory=list)
+    # What the bucket's last checked call saw of its params (see signature); None
+    # until a call has been checked.
+    checked: Optional[list] = None
+    # Per-rule tensors that do not change between calls (the state-free rule's
+    # empty subsets).
+    cache: dict = field(default_factory=dict)
+
+
+def signature(params: Sequence[Tensor]) -> list:
+    """What a checked call's validity rests on for each param: its storage, shape
+    and dtype (``p.data`` replaced by another tensor changes one of them)."""
+    return [(p.data_ptr(), p.shape, p.dtype) for p in params]
 
 
 def ensure_moments(st: dict, shape, device: torch.device) -> None:
@@ -103,7 +124,18 @@ def step_counters(plan: Sequence[Bucket], state) -> List[Tensor]:
 
 def run(bucket: Bucket, grads: List[Tensor], state, backend: str) -> None:
     """One fused op call: ``bucket``'s tensors take their rule with ``grads``."""
-    RUNNERS[bucket.assignment.rule](bucket, grads, state, backend)
+    runner = RUNNERS[bucket.assignment.rule]
+    if torch.compiler.is_compiling():
+        runner(bucket, grads, state, backend, ops)
+        return
+    sig = signature(bucket.params)
+    if bucket.checked is not None and bucket.checked == sig:
+        runner(bucket, grads, state, backend, unchecked)
+        return
+    bucket.checked = None
+    bucket.cache.clear()  # made for the tensors the bucket held before
+    runner(bucket, grads, state, backend, ops)
+    bucket.checked = sig
 
 
 def _moments(bucket: Bucket, state):
@@ -112,34 +144,39 @@ def _moments(bucket: Bucket, state):
             states[0]["step"])
 
 
-def _adamw(bucket: Bucket, grads, state, backend) -> None:
+def _adamw(bucket: Bucket, grads, state, backend, calls) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     _, m, v, step = _moments(bucket, state)
-    ops.adamw_(bucket.params, grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
+    calls.adamw_(bucket.params, grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
                eps=group["eps"], weight_decay=group["weight_decay"], step=step, backend=backend)
 
 
-def _state_free(bucket: Bucket, grads, state, backend) -> None:
+def _state_free(bucket: Bucket, grads, state, backend, calls) -> None:
     group, params = bucket.group, bucket.params
     rule = group["state_free"]
     wd, scale = group["weight_decay"], group["state_free_lr_scale"]
     if rule == "sign":
-        ops.sign_sgd_(params, grads, lr=bucket.lr, weight_decay=wd, scale=scale, backend=backend)
+        calls.sign_sgd_(params, grads, lr=bucket.lr, weight_decay=wd, scale=scale,
+                        backend=backend)
         return
     # sgd / none: the fused FRUGAL op with an empty state-full set.
-    empty = [torch.empty(0, dtype=torch.int32, device=p.device) for p in params]
-    zeros = [torch.empty(0, device=p.device) for p in params]
-    ops.frugal_step_(params, grads, zeros, zeros, empty, kind="flat", lr=bucket.lr, beta1=0.0,
-                     beta2=0.0, eps=0.0, weight_decay=wd, step=1, state_free=rule,
+    if "empty" not in bucket.cache:
+        bucket.cache["empty"] = ([torch.empty(0, dtype=torch.int32, device=p.device)
+                                  for p in params],
+                                 [torch.empty(0, device=p.device) for p in params],
+                                 torch.tensor(1.0, dtype=torch.float64))
+    empty, zeros, one = bucket.cache["empty"]
+    calls.frugal_step_(params, grads, zeros, zeros, empty, kind="flat", lr=bucket.lr, beta1=0.0,
+                     beta2=0.0, eps=0.0, weight_decay=wd, step=one, state_free=rule,
                      state_free_scale=scale, backend=backend, check_indices=False)
 
 
-def _subset(bucket: Bucket, grads, state, backend) -> None:
+def _subset(bucket: Bucket, grads, state, backend, calls) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     states, m, v, step = _moments(bucket, state)
-    ops.frugal_step_(bucket.params, grads, m, v, [st["indices"] for st in states],
+    calls.frugal_step_(bucket.params, grads, m, v, [st["indices"] for st in states],
                      kind=bucket.assignment.subset_kind, lr=bucket.lr, beta1=beta1, beta2=beta2,
                      eps=group["eps"], weight_decay=group["weight_decay"], step=step,
                      state_free=group["state_free"],
@@ -147,7 +184,7 @@ def _subset(bucket: Bucket, grads, state, backend) -> None:
                      check_indices=False)
 
 
-def _lowrank(bucket: Bucket, grads, state, backend) -> None:
+def _lowrank(bucket: Bucket, grads, state, backend, calls) -> None:
     group, params = bucket.group, bucket.params
     beta1, beta2 = group["betas"]
     states, m, v, step = _moments(bucket, state)
@@ -156,17 +193,19 @@ def _lowrank(bucket: Bucket, grads, state, backend) -> None:
     low_grads = [project(g, proj, side) for g, proj, side in zip(grads, projections, sides)]
     # AdamW on a zero "parameter" without decay leaves exactly the update in it.
     low_updates = [torch.zeros_like(lg) for lg in low_grads]
-    ops.adamw_(low_updates, low_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
+    calls.adamw_(low_updates, low_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
                eps=group["eps"], weight_decay=0.0, step=step, backend=backend)
     # At full rank the residual is zero but for rounding, which a sign would
     # blow up to +-lr: there is no state-free part.
     rule = "none" if bucket.assignment.full_rank else group["state_free"]
-    ops.lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=bucket.lr,
+    calls.lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=bucket.lr,
                       weight_decay=group["weight_decay"], state_free=rule,
                       state_free_scale=group["state_free_lr_scale"], backend=backend)
 
 
-RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], dict, str], None]] = {
+# A runner takes the bucket, its gradients, the optimizer's state, the backend and
+# the module whose op faces it calls (``ops``, or ``ops.unchecked`` once checked).
+RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], dict, str, Any], None]] = {
     "adamw": _adamw,
     "state_free": _state_free,
     "subset": _subset,

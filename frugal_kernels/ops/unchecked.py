@@ -1,0 +1,68 @@
+"""The ops' faces without their metadata checks and without torch.library's dispatch.
+
+For callers that have checked the same call once and repeat it, as the
+optimizers' plans do (:func:`frugal_kernels.optim.plan.run`): every step
+updates the same params and states, and only the gradients and the scalars
+change. A call here runs the op's body (:func:`frugal_kernels.ops.adamw.apply`
+and its siblings: the same backend, kernels and arguments as the registered
+op, so the result is bit-identical) and bumps the version counters of the
+tensors it mutates, as the registered op does. The scalar checks that need no
+device sync (a finite lr, a step >= 1) still run.
+
+Not for torch.compile (its graphs call the registered ops) and not for users:
+a mismatched call here is undefined, where the public ops raise.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+from torch import Tensor
+
+from frugal_kernels.ops import adamw, frugal_step, lowrank_step, sign_sgd
+
+__all__ = ["adamw_", "frugal_step_", "lowrank_step_", "sign_sgd_"]
+
+
+def _mutated(*lists: Sequence[Tensor]) -> None:
+    torch._C._increment_version([t for tensors in lists for t in tensors])
+
+
+def adamw_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+           exp_avg_sqs: List[Tensor], *, lr: Tensor, beta1: float, beta2: float, eps: float,
+           weight_decay: float, step: Tensor, maximize: bool = False,
+           backend: str = "auto") -> None:
+    adamw.apply(params, grads, exp_avgs, exp_avg_sqs, lr.reshape(()), float(beta1),
+                float(beta2), float(eps), float(weight_decay), step.reshape(()), bool(maximize),
+                backend)
+    _mutated(params, exp_avgs, exp_avg_sqs)
+
+
+def sign_sgd_(params: List[Tensor], grads: List[Tensor], *, lr: Tensor,
+              weight_decay: float = 0.0, scale: float = 1.0, backend: str = "auto") -> None:
+    sign_sgd.apply(params, grads, lr.reshape(()), float(weight_decay), float(scale), backend)
+    _mutated(params)
+
+
+def frugal_step_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                 exp_avg_sqs: List[Tensor], indices: List[Tensor], *, kind: str, lr: Tensor,
+                 beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
+                 state_free: str = "sign", state_free_scale: float = 1.0,
+                 backend: str = "auto", check_indices: bool = False) -> None:
+    # check_indices is accepted for the runners' one call site: they build the subsets
+    # themselves and never ask for the data check.
+    frugal_step.apply(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr.reshape(()),
+                      float(beta1), float(beta2), float(eps), float(weight_decay),
+                      step.reshape(()), state_free, float(state_free_scale), backend)
+    _mutated(params, exp_avgs, exp_avg_sqs)
+
+
+def lowrank_step_(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
+                  low_grads: List[Tensor], projections: List[Tensor], sides: List[int], *,
+                  lr: Tensor, weight_decay: float = 0.0, state_free: str = "sign",
+                  state_free_scale: float = 1.0, backend: str = "auto") -> None:
+    lowrank_step.apply(params, grads, low_updates, low_grads, projections,
+                       [int(s) for s in sides], lr.reshape(()), float(weight_decay), state_free,
+                       float(state_free_scale), backend)
+    _mutated(params)
