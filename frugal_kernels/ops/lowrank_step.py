@@ -105,9 +105,12 @@ def apply(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
     if not keep:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
-    impl(Tensors(*([lst[i] for i in keep] for lst in (params, [g.contiguous() for g in grads],
-                                                       low_updates, low_grads, projections,
-                                                       sides))),
+    # Every input but the params is only read: the kernels get contiguous copies
+    # where needed (the Triton kernel walks them as row-major matrices and read a
+    # transposed projection as the wrong matrix).
+    read_only = [[t.contiguous() for t in lst] for lst in (grads, low_updates, low_grads,
+                                                             projections)]
+    impl(Tensors(*([lst[i] for i in keep] for lst in (params, *read_only, sides))),
          LowrankHyper(lr, weight_decay, state_free, state_free_scale))
 
 
