@@ -195,3 +195,36 @@ def subset_batch(ext: Any, params: Sequence[Tensor], indices: Sequence[Tensor],
                            index_is_int32=indices[0].dtype == torch.int32,
                            indices=addresses(indices), rows=[r for _, r, _ in views],
                            cols=[c for _, _, c in views], k=numels(indices))
+
+
+def check_no_overlap(op: str, written: Mapping[str, Sequence[Tensor]],
+                     read: Mapping[str, Sequence[Tensor]]) -> None:
+    """Refuse a call in which a tensor it writes shares memory with any other tensor of
+    the call (the same tensor as param and grad, one moment twice, a param listed twice,
+    overlapping views). The backends would disagree on such a call, each reading values
+    another pass has already written. Real tensors only (the fake kernel has no memory)."""
+    spans = []
+    for is_written, lists in ((True, written), (False, read)):
+        for name, tensors in lists.items():
+            for i, t in enumerate(tensors):
+                if t.numel() == 0:
+                    continue
+                # From the lowest address the tensor touches to one past the highest.
+                last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+                start = t.data_ptr()
+                spans.append((start, start + (last + 1) * t.element_size(), is_written,
+                              f"{name}[{i}]"))
+    spans.sort(key=lambda span: span[0])
+    any_end, any_name, written_end, written_name = -1, "", -1, ""
+    for start, end, is_written, name in spans:
+        if is_written and start < any_end:
+            raise ValueError(f"{op}: {name} shares memory with {any_name}; the op writes it "
+                             "in place, so every tensor of a call must have memory of its own")
+        if not is_written and start < written_end:
+            raise ValueError(f"{op}: {name} shares memory with {written_name}, which the op "
+                             "writes in place; pass a copy")
+        if end > any_end:
+            any_end, any_name = end, name
+        if is_written and end > written_end:
+            written_end, written_name = end, name
+

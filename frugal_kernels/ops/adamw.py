@@ -11,11 +11,10 @@ from torch import Tensor
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch,
-                                        check_finite, check_scalars, kernel_batch)
+from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
+                                        check_no_overlap, check_scalars, kernel_batch)
 
 OP = "frugal::adamw_"
-
 
 
 class Tensors(NamedTuple):
@@ -64,6 +63,8 @@ def _adamw_op(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
               weight_decay: float, step: Tensor, maximize: bool, backend: str) -> None:
     _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
            maximize, backend)
+    check_no_overlap(OP, written={"params": params, "exp_avgs": exp_avgs,
+                                  "exp_avg_sqs": exp_avg_sqs}, read={"grads": grads})
     apply(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
           maximize, backend)
 

@@ -20,7 +20,7 @@ from frugal_kernels._extension import extension
 from frugal_kernels._layout import STATE_FREE_RULES, SUBSET_KINDS, subset_dim, subset_state_shape
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_scalars, kernel_batch, subset_batch)
+                                        check_no_overlap, check_scalars, kernel_batch, subset_batch)
 from frugal_kernels.ops.adamw import AdamWCore, check_adamw_hyper
 
 OP = "frugal::frugal_step_"
@@ -101,6 +101,9 @@ def _frugal_step_op(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Te
                     state_free: str, state_free_scale: float, backend: str) -> None:
     _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
            weight_decay, step, state_free, state_free_scale, backend)
+    check_no_overlap(OP, written={"params": params, "exp_avgs": exp_avgs,
+                                  "exp_avg_sqs": exp_avg_sqs},
+                     read={"grads": grads, "indices": indices})
     apply(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
           weight_decay, step, state_free, state_free_scale, backend)
 

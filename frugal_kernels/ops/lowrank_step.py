@@ -27,8 +27,8 @@ from frugal_kernels._extension import extension
 from frugal_kernels._layout import (LEFT, RIGHT, SIDES, STATE_FREE_RULES, back_project,
                                     projection_rank, projection_shapes)
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch,
-                                        check_finite, check_scalars, kernel_batch)
+from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
+                                        check_no_overlap, check_scalars, kernel_batch)
 
 OP = "frugal::lowrank_step_"
 
@@ -92,6 +92,9 @@ def _lowrank_step_op(params: List[Tensor], grads: List[Tensor], low_updates: Lis
                      backend: str) -> None:
     _check(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
            state_free, state_free_scale, backend)
+    check_no_overlap(OP, written={"params": params},
+                     read={"grads": grads, "low_updates": low_updates, "low_grads": low_grads,
+                      "projections": projections})
     apply(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
           state_free, state_free_scale, backend)
 

@@ -11,8 +11,8 @@ from torch import Tensor
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch,
-                                        check_finite, check_scalars, kernel_batch)
+from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
+                                        check_no_overlap, check_scalars, kernel_batch)
 
 OP = "frugal::sgd_"
 
@@ -56,6 +56,8 @@ def _sgd_op(params: List[Tensor], grads: List[Tensor], momentum_buffers: List[Te
             maximize: bool, first_step: bool, backend: str) -> None:
     _check(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov,
            maximize, first_step, backend)
+    check_no_overlap(OP, written={"params": params, "momentum_buffers": momentum_buffers},
+                     read={"grads": grads})
     check_scalars(OP, lr)
     if not params:
         return

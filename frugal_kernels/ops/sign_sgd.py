@@ -11,8 +11,8 @@ from torch import Tensor
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch,
-                                        check_finite, check_scalars, kernel_batch)
+from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
+                                        check_no_overlap, check_scalars, kernel_batch)
 
 OP = "frugal::sign_sgd_"
 
@@ -40,6 +40,8 @@ def _check(params, grads, lr, weight_decay, scale, backend) -> None:
 def _sign_sgd_op(params: List[Tensor], grads: List[Tensor], lr: Tensor, weight_decay: float,
                  scale: float, backend: str) -> None:
     _check(params, grads, lr, weight_decay, scale, backend)
+    check_no_overlap(OP, written={"params": params},
+                     read={"grads": grads})
     apply(params, grads, lr, weight_decay, scale, backend)
 
 
