@@ -18,7 +18,7 @@ uses ``flat``); a *side* is where a low-rank projection multiplies.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -124,3 +124,38 @@ def back_project(low: Tensor, projection: Tensor, side: int) -> Tensor:
 
     ``low`` may carry leading batch dims (both back-projections in one GEMM)."""
     return torch.matmul(low, projection) if side == RIGHT else torch.matmul(projection, low)
+
+
+# ---------------------------------------------------------------- memory
+
+def memory_span(t: Tensor) -> Optional[Tuple[int, int]]:
+    """[first byte, one past the last byte) of the memory ``t`` touches; None if empty."""
+    if t.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def first_overlap(tensors: Iterable[Tuple[Tensor, bool, str]]) -> Optional[Tuple[str, str]]:
+    """Names ``(later, earlier)`` of two of ``(tensor, written, name)`` whose memory
+    overlaps, at least one of them written; None if there are none. One sweep over the
+    spans sorted by start (stable: of two starting together, the later listed is named
+    first)."""
+    spans = []
+    for t, written, name in tensors:
+        span = memory_span(t)
+        if span is not None:
+            spans.append((span, written, name))
+    spans.sort(key=lambda s: s[0][0])
+    any_end, any_name, written_end, written_name = -1, "", -1, ""
+    for (start, end), written, name in spans:
+        if written and start < any_end:
+            return name, any_name
+        if not written and start < written_end:
+            return name, written_name
+        if end > any_end:
+            any_end, any_name = end, name
+        if written and end > written_end:
+            written_end, written_name = end, name
+    return None

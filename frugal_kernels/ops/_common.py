@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from frugal_kernels._layout import (DTYPE_CODES, PARAM_DTYPES, STATE_FREE_CODES,
-                                    SUBSET_KIND_CODES, matrix_view)
+                                    SUBSET_KIND_CODES, first_overlap, matrix_view)
 
 
 Scalar = Union[float, int, Tensor]
@@ -203,28 +203,9 @@ def check_no_overlap(op: str, written: Mapping[str, Sequence[Tensor]],
     the call (the same tensor as param and grad, one moment twice, a param listed twice,
     overlapping views). The backends would disagree on such a call, each reading values
     another pass has already written. Real tensors only (the fake kernel has no memory)."""
-    spans = []
-    for is_written, lists in ((True, written), (False, read)):
-        for name, tensors in lists.items():
-            for i, t in enumerate(tensors):
-                if t.numel() == 0:
-                    continue
-                # From the lowest address the tensor touches to one past the highest.
-                last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-                start = t.data_ptr()
-                spans.append((start, start + (last + 1) * t.element_size(), is_written,
-                              f"{name}[{i}]"))
-    spans.sort(key=lambda span: span[0])
-    any_end, any_name, written_end, written_name = -1, "", -1, ""
-    for start, end, is_written, name in spans:
-        if is_written and start < any_end:
-            raise ValueError(f"{op}: {name} shares memory with {any_name}; the op writes it "
-                             "in place, so every tensor of a call must have memory of its own")
-        if not is_written and start < written_end:
-            raise ValueError(f"{op}: {name} shares memory with {written_name}, which the op "
-                             "writes in place; pass a copy")
-        if end > any_end:
-            any_end, any_name = end, name
-        if is_written and end > written_end:
-            written_end, written_name = end, name
-
+    clash = first_overlap((t, is_written, f"{name}[{i}]")
+                          for is_written, lists in ((True, written), (False, read))
+                          for name, tensors in lists.items() for i, t in enumerate(tensors))
+    if clash is not None:
+        raise ValueError(f"{op}: {clash[0]} shares memory with {clash[1]}; the op writes in "
+                         "place, so every tensor it writes must have memory of its own")

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from frugal_kernels import ops
+from frugal_kernels._layout import first_overlap
 from frugal_kernels.optim import plan
 from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
@@ -354,7 +355,6 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
     or in an earlier group), two parameters sharing memory, a non-contiguous parameter.
     Checked once, when the group is added, not at every step."""
     seen: Dict[int, str] = {id(p): _param_name(gj, i, p) for gj, i, p in existing}
-    spans = [(_span(p), _param_name(gj, i, p)) for gj, i, p in existing]
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
             raise TypeError(f"optimizer can only optimize Tensors, but params[{i}] of param "
@@ -366,22 +366,13 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
         if not p.is_contiguous():
             raise ValueError(f"{name} is not contiguous: the fused ops update parameters in "
                              f"place and need them contiguous; {_CONTIGUOUS_ADVICE}")
-        span = _span(p)
-        for other_span, other in spans:
-            if span[0] == other_span[0] and span[1] < other_span[2] and other_span[1] < span[2]:
-                raise ValueError(f"{name} shares memory with {other} (views of one tensor): "
-                                 "each would be updated with the other's gradient; pass "
-                                 "separate tensors")
         seen[id(p)] = name
-        spans.append((span, name))
-
-
-def _span(p: Tensor) -> Tuple[Any, int, int]:
-    """(storage, first byte, end byte) of a contiguous tensor."""
-    if p.numel() == 0:
-        return (None, 0, 0)  # an empty tensor overlaps nothing
-    start = p.storage_offset() * p.element_size()
-    return (p.untyped_storage().data_ptr(), start, start + p.numel() * p.element_size())
+    clash = first_overlap([(p, True, _param_name(gj, i, p)) for gj, i, p in existing]
+                          + [(p, True, _param_name(gi, i, p)) for i, p in enumerate(params)])
+    if clash is not None:
+        raise ValueError(f"{clash[0]} shares memory with {clash[1]} (views of one tensor): "
+                         "each would be updated with the other's gradient; pass separate "
+                         "tensors")
 
 
 def _first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
