@@ -1,6 +1,7 @@
 // lowrank_step_ on the CPU: the epilogue of a low-rank FRUGAL step in one pass
 // (read p, g and the two back-projections, write p).
 #include "kernels.h"
+#include "loops.h"
 #include "parallel.h"
 
 namespace frugal {
@@ -10,12 +11,21 @@ namespace FK_CPU_ISA {
 namespace {
 
 template <typename T, StateFree Mode>
-void lowrank_range(T* __restrict__ p, const T* __restrict__ g, const float* __restrict__ up_update,
-                   const float* __restrict__ up_grad, int64_t n, const SignScalars s) {
+void lowrank_loop(T* __restrict__ p, const T* __restrict__ g, const float* __restrict__ up_update,
+                  const float* __restrict__ up_grad, int64_t n, const SignScalars s) {
   for (int64_t i = 0; i < n; ++i) {
     p[i] = from_float<T>(
         lowrank_update<Mode>(to_float(p[i]), to_float(g[i]), up_update[i], up_grad[i], s));
   }
+}
+
+template <typename T, StateFree Mode>
+void lowrank_range(T* p, const T* g, const float* up_update, const float* up_grad, int64_t n,
+                   const SignScalars s) {
+  over_fp32(p, g, n, [&](auto* tp, const auto* tg, int64_t a, int64_t len) {
+    lowrank_loop<std::remove_pointer_t<decltype(tp)>, Mode>(tp, tg, up_update + a, up_grad + a,
+                                                            len, s);
+  });
 }
 
 template <typename T, StateFree Mode>
