@@ -4,9 +4,17 @@
 // state-full members (found with two binary searches, frugal_tile.h) get
 // AdamW and the rest get the state-free rule; every coordinate of p and g is
 // read once from memory and p is written once.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
 #include "kernels.h"
 #include "loops.h"
 #include "parallel.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace frugal {
 namespace cpu {
@@ -35,6 +43,115 @@ FK_NOVECTOR void scatter(T* __restrict__ p, const int32_t* __restrict__ pos, int
   for (int64_t i = 0; i < n; ++i) p[pos[i]] = from_float<T>(values[i]);
 }
 
+#if defined(__AVX512F__)
+// With AVX-512 the members of a block move by compress and expand under a
+// lane mask, 16 lanes at a time, instead of one scalar load or store each:
+// the compact moments and the AdamW buffers are in member order, which is the
+// order compress and expand pack lanes in. The masks come from a bitmap of the
+// member columns (built once per chunk: every row has the same members) or
+// straight from the flat ids, so no member costs more than a bit. Compress
+// and expand act on registers, with plain full-width stores and loads: their
+// memory forms are microcoded and slow on Intel cores.
+constexpr int64_t kLanes = 16;
+
+inline __mmask16 head_lanes(int64_t left) {
+  return left >= kLanes ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+}
+
+// Bit c of a bitmap (64-bit words, one spare word at the end) and the 16 from c.
+inline uint32_t bits16(const uint64_t* bitmap, int64_t c) {
+  const int64_t w = c >> 6, off = c & 63;
+  const uint64_t v = off ? (bitmap[w] >> off) | (bitmap[w + 1] << (64 - off)) : bitmap[w];
+  return uint32_t(v & 0xffffu);
+}
+
+// The member lanes of the block [a, a + len) of a [R, C] tensor whose member
+// columns are the bits of `columns`.
+inline void column_lanes(const uint64_t* columns, int64_t C, int64_t a, int64_t len,
+                         uint16_t* lanes) {
+  int64_t c = a % C;
+  for (int64_t w = 0; w * kLanes < len; ++w) {
+    uint32_t word = 0;
+    for (int64_t filled = 0; filled < kLanes;) {
+      const int64_t take = std::min(kLanes - filled, C - c);
+      word |= (bits16(columns, c) & ((1u << take) - 1)) << filled;
+      filled += take;
+      c += take;
+      if (c == C) c = 0;
+    }
+    lanes[w] = uint16_t(word);
+  }
+}
+
+// The member lanes of a block [a, a + len) from the ids of its n flat members:
+// a byte per position first, then 64 bytes to 64 bits with one test. Or-ing
+// each member's bit into a word in memory instead chains the members of a
+// word through store-to-load forwarding (9 cycles per member at density 1),
+// and building words in a register mispredicts a branch per word.
+template <typename Index>
+void flat_lanes(const Index* ids, int64_t n, int64_t a, int64_t len, uint16_t* lanes) {
+  alignas(64) uint8_t member[kBlock];
+  const int64_t padded = (len + 63) & ~int64_t(63);
+  std::memset(member, 0, size_t(padded));
+  for (int64_t i = 0; i < n; ++i) member[int64_t(ids[i]) - a] = 1;
+  for (int64_t x = 0; x < padded; x += 64) {
+    const __m512i bytes = _mm512_load_si512(static_cast<const void*>(member + x));
+    const uint64_t bits = _mm512_test_epi8_mask(bytes, bytes);
+    std::memcpy(lanes + x / kLanes, &bits, std::min<int64_t>(8, (len - x + 15) / kLanes * 2));
+  }
+}
+
+// 16 values of storage type T from p (the first `valid` of them), as fp32.
+inline __m512 load_lanes(const float* p, __mmask16 valid) { return _mm512_maskz_loadu_ps(valid, p); }
+inline __m512 load_lanes(const bf16* p, __mmask16 valid) {
+  const __m256i h = _mm256_maskz_loadu_epi16(valid, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load_lanes(const fp16* p, __mmask16 valid) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
+}
+
+// The member values of p and g, in member order, into bp and bg (fp32; each
+// buffer has kLanes spare entries for the last full-width store).
+template <typename T>
+void compress(const T* p, const T* g, const uint16_t* lanes, int64_t len, float* bp, float* bg) {
+  for (int64_t a = 0; a < len; a += kLanes) {
+    const __mmask16 valid = head_lanes(len - a);
+    const __mmask16 members = __mmask16(lanes[a / kLanes]) & valid;
+    _mm512_storeu_ps(bp, _mm512_maskz_compress_ps(members, load_lanes(p + a, valid)));
+    _mm512_storeu_ps(bg, _mm512_maskz_compress_ps(members, load_lanes(g + a, valid)));
+    const int count = __builtin_popcount(unsigned(members));
+    bp += count;
+    bg += count;
+  }
+}
+
+// The AdamW results of bp (member order) over the member positions of p.
+inline void expand(float* p, const uint16_t* lanes, int64_t len, int64_t, const float* bp) {
+  for (int64_t a = 0; a < len; a += kLanes) {
+    const __mmask16 members = __mmask16(lanes[a / kLanes]) & head_lanes(len - a);
+    _mm512_mask_storeu_ps(p + a, members, _mm512_maskz_expand_ps(members, _mm512_loadu_ps(bp)));
+    bp += __builtin_popcount(unsigned(members));
+  }
+}
+
+// 16-bit storage: the n results are rounded to T first (a contiguous loop that
+// vectorises), then expanded as 32-bit lanes and narrowed on the store.
+template <typename T>
+void expand(T* p, const uint16_t* lanes, int64_t len, int64_t n, const float* bp) {
+  uint32_t bits[kBlock + kLanes];
+  for (int64_t i = 0; i < n; ++i) bits[i] = from_float<T>(bp[i]).bits;
+  const uint32_t* src = bits;
+  for (int64_t a = 0; a < len; a += kLanes) {
+    const __mmask16 members = __mmask16(lanes[a / kLanes]) & head_lanes(len - a);
+    const __m512i wide = _mm512_maskz_expand_epi32(
+        members, _mm512_loadu_si512(static_cast<const void*>(src)));
+    _mm256_mask_storeu_epi16(p + a, members, _mm512_cvtepi32_epi16(wide));
+    src += __builtin_popcount(unsigned(members));
+  }
+}
+#endif
+
 template <typename T, typename Index, StateFree Mode>
 struct Block {
   T* p;
@@ -44,6 +161,7 @@ struct Block {
   const Index* idx;
   SubsetShape shape;
   FrugalScalars s;
+  const uint64_t* columns;  // bitmap of the member columns (kColumns with AVX-512), else null
 
   // Process [a, b); returns where the next block's search should start.
   int64_t operator()(int64_t a, int64_t b, int64_t guess) const {
@@ -82,15 +200,29 @@ struct Block {
   // in fp32 buffers, run the state-free rule over the whole block, then store
   // the AdamW results over it. All passes but the first touch only L1.
   void gathered(const TileMembers& tm, int64_t a, int64_t b) const {
+    const int64_t n = tm.q_end - tm.q_begin;
+    const int64_t slot = tm.slot_base + tm.q_begin;
+#if defined(__AVX512F__)
+    float bp[kBlock + kLanes], bg[kBlock + kLanes];
+    uint16_t lanes[kBlock / kLanes];
+    if (shape.kind == SubsetKind::kColumns) {
+      column_lanes(columns, shape.cols, a, b - a, lanes);
+    } else {
+      flat_lanes(idx + tm.outer_base + tm.q_begin, n, a, b - a, lanes);
+    }
+    compress(p + a, g + a, lanes, b - a, bp, bg);
+    adamw_range(bp, bg, m + slot, v + slot, n, s.adamw);
+    state_free_range<T, Mode>(p + a, g + a, b - a, s.state_free);
+    expand(p + a, lanes, b - a, n, bp);
+#else
     int32_t pos[kBlock];
     float bp[kBlock], bg[kBlock];
-    const int64_t n = tm.q_end - tm.q_begin;
     member_positions(tm, a, pos);
-    const int64_t slot = tm.slot_base + tm.q_begin;
     gather(p + a, g + a, pos, n, bp, bg);
     adamw_range(bp, bg, m + slot, v + slot, n, s.adamw);
     state_free_range<T, Mode>(p + a, g + a, b - a, s.state_free);
     scatter(p + a, pos, n, bp);
+#endif
   }
 
   // Positions, relative to a, of the members of a gathered block (columns, or
@@ -117,10 +249,17 @@ struct Block {
 template <typename T, typename Index, StateFree Mode>
 void run_batch(const TensorBatch& t, const SubsetBatch& sub, const FrugalScalars& s, int num_threads) {
   for_each_chunk(t.count, t.numel, kChunk, num_threads, [&](int64_t i, int64_t b, int64_t e) {
-    const Block<T, Index, Mode> block{
-        typed<T>(t.params[i]), typed<T>(t.grads[i]), t.exp_avgs[i], t.exp_avg_sqs[i],
-        static_cast<const Index*>(sub.indices[i]),
-        SubsetShape{sub.kind, sub.rows[i], sub.cols[i], sub.k[i]}, s};
+    const Index* idx = static_cast<const Index*>(sub.indices[i]);
+    const SubsetShape shape{sub.kind, sub.rows[i], sub.cols[i], sub.k[i]};
+    std::vector<uint64_t> columns;
+#if defined(__AVX512F__)
+    if (shape.kind == SubsetKind::kColumns) {
+      columns.assign(size_t(shape.cols / 64 + 2), 0);
+      for (int64_t j = 0; j < shape.k; ++j) columns[size_t(idx[j] >> 6)] |= uint64_t(1) << (idx[j] & 63);
+    }
+#endif
+    const Block<T, Index, Mode> block{typed<T>(t.params[i]), typed<T>(t.grads[i]), t.exp_avgs[i],
+                                      t.exp_avg_sqs[i], idx, shape, s, columns.data()};
     int64_t guess = uniform_guess(block.shape, b / block.shape.cols);
     for (int64_t a = b; a < e; a += kBlock) guess = block(a, std::min(e, a + kBlock), guess);
   });
