@@ -83,6 +83,12 @@ def _badam(model, config: TrainConfig) -> BAdam:
                  seed=config.seed)
 
 
+def _badam_frugal(model, config: TrainConfig) -> BAdam:
+    return BAdam(model, lr=config.lr, weight_decay=config.weight_decay,
+                 switch_every=BADAM_SWITCH_EVERY, include_embedding=True, include_head=True,
+                 seed=config.seed, inner="frugal", density=0.25, projection="columns")
+
+
 OPTIMIZERS: dict[str, DemoOptimizer] = {
     "adamw": DemoOptimizer("AdamW", "tab:gray", _adamw),
     "frugal": DemoOptimizer("FRUGAL rho=0.25", "tab:blue", _frugal),
@@ -90,6 +96,8 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
     "adafrugal+governor": DemoOptimizer("AdaFRUGAL+governor", "tab:red", _adafrugal,
                                         budget_from="adafrugal"),
     "badam": DemoOptimizer(f"BAdam K={BADAM_SWITCH_EVERY}", "tab:green", _badam),
+    "badam+frugal": DemoOptimizer(f"BAdam+FRUGAL K={BADAM_SWITCH_EVERY} rho=0.25", "tab:olive",
+                                  _badam_frugal),
 }
 
 # TrainConfig's defaults are the demo's (docs/demo.md): among them lr 1e-3, AdamW's best in

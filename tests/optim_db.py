@@ -161,10 +161,10 @@ def _layered_model(seed: int) -> Model:
     return model, list(model.parameters())
 
 
-def _badam(mode: str):
+def _badam(mode: str, **fixed):
     def factory(model, **options):
         return fk.BAdam(model, **{**HYPER, "switch_every": 2, "switch_mode": mode, "seed": 5,
-                                  **options})
+                                  **fixed, **options})
     return factory
 
 
@@ -173,4 +173,11 @@ OPTIMIZERS = OPTIMIZERS + tuple(
                   resumed_attributes=("history", "active_block"),
                   trained=lambda opt: opt.param_groups[opt.active_block_index]["params"],
                   add_param_group_refused="param groups are its blocks")
-    for mode in ("random", "ascending", "descending", "fixed"))
+    for mode in ("random", "ascending", "descending", "fixed")) + (
+    OptimizerInfo(name="BAdam-frugal", make_model=_layered_model,
+                  factory=_badam("random", inner="frugal", density=0.5, projection="columns",
+                                 update_gap=3),
+                  resumed_attributes=("history", "active_block"),
+                  trained=lambda opt: opt.param_groups[opt.active_block_index]["params"],
+                  add_param_group_refused="param groups are its blocks"),
+)

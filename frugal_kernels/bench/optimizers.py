@@ -78,12 +78,17 @@ class PaperStyleFRUGAL(torch.optim.Optimizer):
 
 def badam_one_layer(model: nn.Module, **hyper) -> fk.BAdam:
     """BAdam on a copy of ``model`` with its first layer active for good (the switch
-    is never due), holding gradients for that layer only, as after a backward pass."""
+    is never due), holding gradients for that layer only, as after a backward pass.
+    ``hyper`` may carry BAdam's ``inner`` and the FRUGAL options of ``inner="frugal"``."""
     own = copy.deepcopy(model)
     opt = fk.BAdam(own, switch_every=2**31 - 1, switch_mode="ascending", **hyper)
     for p in opt.param_groups[opt.active_block_index]["params"]:
         p.grad = torch.randn_like(p)
     return opt
+
+
+# BAdam training its active block with FRUGAL (columns, rho = 0.25) instead of AdamW.
+BADAM_FRUGAL = dict(inner="frugal", density=0.25, projection="columns")
 
 
 def _all_projected(model):
@@ -107,6 +112,7 @@ def optimizer_factories(model: nn.Module) -> Dict[str, Callable[[], torch.optim.
         "paper_loop_blocks": lambda: PaperStyleFRUGAL(fk.param_groups(model), density=0.25,
                                                       **hyper),
         "badam_one_layer": lambda: badam_one_layer(model, **hyper),
+        "badam_frugal_one_layer": lambda: badam_one_layer(model, **BADAM_FRUGAL, **hyper),
     }
     for name, factory in _optional_peers(model, hyper).items():
         factories[name] = factory
@@ -159,6 +165,8 @@ def state_bytes(model: nn.Module) -> List[dict]:
                                                            rho_end=0.05, rho_steps=2, update_gap=1,
                                                            **hyper),
         "BAdam (one layer active)": lambda: badam_one_layer(model, **hyper),
+        "BAdam+FRUGAL rho=0.25 (one layer active)": lambda: badam_one_layer(
+            model, **BADAM_FRUGAL, **hyper),
     }
     rows = []
     for name, make in configs.items():

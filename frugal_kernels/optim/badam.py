@@ -1,4 +1,4 @@
-"""BAdam: block coordinate descent with AdamW on one block at a time (DESIGN.md section 1)."""
+"""BAdam: block coordinate descent with AdamW (or FRUGAL) on one block at a time (DESIGN.md section 1)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ import torch
 from torch import Tensor, nn
 
 from frugal_kernels import ops
+from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.memory import release_freed_memory
 
-__all__ = ["BAdam", "SWITCH_MODES"]
+__all__ = ["BAdam", "SWITCH_MODES", "INNER_OPTIMIZERS"]
 
 SWITCH_MODES = ("random", "ascending", "descending", "fixed")
+# What trains the active block: the fused AdamW, or a FRUGAL optimizer over the block.
+INNER_OPTIMIZERS = ("adamw", "frugal")
+# FRUGAL's options that inner="frugal" forwards (its lr, betas, eps and weight decay are
+# the block's; its seed is derived from BAdam's).
+_FRUGAL_OPTIONS = ("density", "update_gap", "projection", "state_free", "state_free_lr_scale",
+                   "reset_state", "block_order")
 
 # A transformer layer is the prefix up to its index: "model.layers.3" (HF Llama and
 # frugal_kernels.model), "transformer.h.3" (GPT-2). The index must be followed by a dot,
@@ -69,6 +76,16 @@ class BAdam(torch.optim.Optimizer):
         seed: seeds the generator of ``"random"`` (saved in the state dict).
         backend: the backend of the fused op (``"auto"``, ``"cpu"``, ``"cuda"``,
             ``"triton"``, ``"torch"``).
+        inner: what trains the active block: ``"adamw"`` (the fused AdamW) or
+            ``"frugal"``: a :class:`~frugal_kernels.FRUGAL` over the block, built at
+            each switch (its state is dropped with the block's), with the block's lr,
+            betas, eps and weight decay read at every step (LR schedulers work), its
+            matrices (2-D and larger) in a projected group and the rest in an AdamW
+            group, and the FRUGAL options given as keywords (``density``,
+            ``projection``, ``update_gap``, ``state_free``, ``state_free_lr_scale``,
+            ``reset_state``, ``block_order``). Its parameters are updated in their own
+            dtype (FRUGAL keeps no master copy), and a non-finite gradient propagates
+            as with ``inner="adamw"``.
 
     bf16 / fp16 parameters get an fp32 master copy for the active block only
     (``state["master"]``, 4 bytes per active parameter beside the 8 of the moments,
@@ -102,9 +119,12 @@ class BAdam(torch.optim.Optimizer):
         order: Optional[Sequence[Union[str, int]]] = None,
         seed: int = 0,
         backend: str = "auto",
+        inner: str = "adamw",
+        **frugal_options: Any,
     ):
         # Everything is checked before any parameter is touched.
         _check_switch_every(switch_every)
+        _check_inner(inner, frugal_options, lr, betas, eps, weight_decay, backend)
         if switch_mode not in SWITCH_MODES:
             raise ValueError(f"switch_mode must be one of {', '.join(SWITCH_MODES)}; "
                              f"got {switch_mode!r}")
@@ -133,6 +153,9 @@ class BAdam(torch.optim.Optimizer):
         self._epoch: List[int] = []  # block order of the current pass over the blocks
         self._cursor = 0  # position of the active block in _epoch
         self.history: List[dict] = []
+        self.inner = inner
+        self._frugal_options = dict(frugal_options)
+        self._inner: Optional[FRUGAL] = None  # inner="frugal": the active block's optimizer
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__([{"params": ps, "block": n} for n, ps in zip(names, block_params)],
                          defaults)
@@ -172,8 +195,9 @@ class BAdam(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state allocated right now (the active block's only)."""
-        return sum(v.untyped_storage().nbytes() for st in self.state.values()
-                   for v in st.values() if isinstance(v, Tensor))
+        own = sum(v.untyped_storage().nbytes() for st in self.state.values()
+                  for v in st.values() if isinstance(v, Tensor))
+        return own + (self._inner.state_bytes() if self._inner is not None else 0)
 
     def apply_governor(self, decision: Any) -> None:
         """Take a :class:`frugal_kernels.Governor` reallocation: multiply
@@ -219,7 +243,9 @@ class BAdam(torch.optim.Optimizer):
             torch._foreach_mul_([p.grad for p in params], grad_scale.reciprocal())
         self._steps_taken += 1
         self._block_steps += 1
-        if params:
+        if self._inner is not None:
+            self._step_inner(group)
+        elif params:
             self._update(group, params)
         if self._block_steps >= self._switch_every:
             self._switch("switch_every")
@@ -245,6 +271,24 @@ class BAdam(torch.optim.Optimizer):
                        step=self._block_steps, backend=self.backend)
             if dtype != torch.float32:
                 torch._foreach_copy_(ps, targets)
+
+    def _step_inner(self, group: dict) -> None:
+        for inner_group in self._inner.param_groups:
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                inner_group[key] = group[key]
+        self._inner.step()
+
+    def _make_inner(self, index: int) -> FRUGAL:
+        """The FRUGAL of block ``index``, seeded by BAdam's seed and the step it starts at."""
+        group = self.param_groups[index]
+        matrices = [p for p in group["params"] if p.dim() >= 2]
+        others = [p for p in group["params"] if p.dim() < 2]
+        groups = ([{"params": matrices}] if matrices else []) + \
+                 ([{"params": others, "projected": False}] if others else [])
+        return FRUGAL(groups, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                      weight_decay=group["weight_decay"], backend=self.backend,
+                      nonfinite="propagate", seed=_inner_seed(self.seed, self._steps_taken),
+                      **self._frugal_options)
 
     def _state_of(self, p: Tensor) -> dict:
         st = self.state[p]
@@ -272,6 +316,7 @@ class BAdam(torch.optim.Optimizer):
         for p in self.param_groups[self.active_block_index]["params"]:
             _deactivate(p)
         self.state = defaultdict(dict)
+        self._inner = None
         release_freed_memory()
         self._cursor += 1
         if self._cursor == len(self._epoch):
@@ -285,6 +330,8 @@ class BAdam(torch.optim.Optimizer):
     def _activate(self, index: int) -> None:
         for p in self.param_groups[index]["params"]:
             p.requires_grad_(True)
+        if self.inner == "frugal":
+            self._inner = self._make_inner(index)
 
     # ------------------------------------------------------------- checkpoints
 
@@ -305,6 +352,8 @@ class BAdam(torch.optim.Optimizer):
             "switch_every": self._switch_every,
             "generator": self._generator.get_state(),
             "history": [dict(h) for h in self.history],
+            "inner": self.inner,
+            "inner_state": self._inner.state_dict() if self._inner is not None else None,
         }
         return sd
 
@@ -352,6 +401,15 @@ class BAdam(torch.optim.Optimizer):
                 _check_saved_state(saved_state[pid], p, pid)
         generator = torch.Generator()
         generator.set_state(extra["generator"])
+        if extra.get("inner", "adamw") != self.inner:
+            raise ValueError(f"the state dict was saved with inner={extra.get('inner', 'adamw')!r}, "
+                             f"this optimizer uses inner={self.inner!r}")
+        inner = None
+        if self.inner == "frugal":
+            # Built and loaded before anything of this optimizer changes: its
+            # load_state_dict raises on a state that does not fit the block.
+            inner = self._make_inner(active)
+            inner.load_state_dict(extra["inner_state"])
 
         # torch's loader would cast the fp32 moments and master copies to the
         # parameters' dtype: load the groups through it and the state here.
@@ -367,6 +425,7 @@ class BAdam(torch.optim.Optimizer):
         self._switch_every = int(extra["switch_every"])
         self._generator = generator
         self.history = [dict(h) for h in extra["history"]]
+        self._inner = inner
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if gi == active:
@@ -381,6 +440,29 @@ class BAdam(torch.optim.Optimizer):
 def _deactivate(p: Tensor) -> None:
     p.grad = None
     p.requires_grad_(False)
+
+
+def _inner_seed(seed: int, step: int) -> int:
+    # A different stream for each block's FRUGAL, reproducible from BAdam's seed.
+    return (seed * 1_000_003 + step) % 2**63
+
+
+def _check_inner(inner: str, frugal_options: dict, lr, betas, eps, weight_decay,
+                 backend: str) -> None:
+    if inner not in INNER_OPTIMIZERS:
+        raise ValueError(f"inner must be one of {', '.join(INNER_OPTIMIZERS)}; got {inner!r}")
+    unknown = sorted(set(frugal_options) - set(_FRUGAL_OPTIONS))
+    if unknown:
+        raise TypeError(f"BAdam got unexpected keyword arguments {unknown}; the FRUGAL options "
+                        f"of inner='frugal' are {', '.join(_FRUGAL_OPTIONS)}")
+    if frugal_options and inner != "frugal":
+        raise ValueError(f"{', '.join(sorted(frugal_options))} are options of inner='frugal', "
+                         f"not of inner={inner!r}")
+    if inner == "frugal":
+        # FRUGAL's own checks, on a stand-in tensor, before any parameter is touched.
+        probe = torch.zeros(2, 2, requires_grad=True)
+        FRUGAL([probe], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+               backend=backend, **frugal_options)
 
 
 def _check_switch_every(value: Any) -> None:

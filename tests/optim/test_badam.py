@@ -383,3 +383,117 @@ def test_closure_and_governor():
     opt.switch_every = 1
     opt.step(closure)
     assert opt.active_block == "model.layers.0"
+
+
+# ------------------------------------------------------------------ inner="frugal"
+
+FRUGAL_INNER = dict(inner="frugal", density=0.5, projection="columns", update_gap=2)
+
+
+def test_inner_frugal_at_density_one_is_the_adamw_inner():
+    # FRUGAL with every coordinate state-full is AdamW: the same fused arithmetic,
+    # so the same bits, switches and fresh moments per block included.
+    steps = 4 * SWITCH_EVERY
+    a, b = Toy(), Toy()
+    opt_a = badam(a, "ascending")
+    opt_b = badam(b, "ascending", inner="frugal", density=1.0, projection="columns")
+    run_steps(a, opt_a, 0, steps)
+    run_steps(b, opt_b, 0, steps)
+    assert opt_a.history == opt_b.history
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_inner_frugal_matches_frugal_on_the_active_block():
+    """Each block's run equals a FRUGAL built over that block alone (matrices projected,
+    the rest AdamW) with the seed BAdam derives, the other parameters frozen."""
+    from frugal_kernels.optim.badam import _inner_seed
+
+    steps = 3 * SWITCH_EVERY
+    model, ref = Toy(), Toy()
+    opt = badam(model, "descending", seed=4, **FRUGAL_INNER)
+    options = {k: v for k, v in FRUGAL_INNER.items() if k != "inner"}
+    for t in range(steps):
+        block = opt.active_block
+        if t % SWITCH_EVERY == 0:
+            for p in ref.parameters():
+                p.requires_grad_(False)
+                p.grad = None
+            active = block_params(ref, block)
+            for p in active:
+                p.requires_grad_(True)
+            groups = [{"params": [p for p in active if p.dim() >= 2]},
+                      {"params": [p for p in active if p.dim() < 2], "projected": False}]
+            ref_opt = fk.FRUGAL([g for g in groups if g["params"]], seed=_inner_seed(4, t),
+                                nonfinite="propagate", **options, **HYPER)
+        model.loss(t).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.loss(t).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_inner_frugal_state_is_the_active_block_only_and_smaller():
+    model = Toy(width=16)
+    opt = badam(model, "ascending", **FRUGAL_INNER)
+    run_steps(model, opt, 0, 1)
+    active = block_params(model, opt.active_block)
+    full = sum(2 * 4 * p.numel() for p in active)  # AdamW's two fp32 moments
+    assert 0 < opt.state_bytes() < full
+    run_steps(model, opt, 1, SWITCH_EVERY)  # the switch drops the block's FRUGAL
+    assert opt.state_bytes() == 0
+
+
+def test_inner_frugal_resumes_bit_identically():
+    steps, cut = 4 * SWITCH_EVERY + 1, 2 * SWITCH_EVERY + 1
+    model = Toy()
+    opt = badam(model, "random", **FRUGAL_INNER)
+    run_steps(model, opt, 0, steps)
+
+    first = Toy()
+    opt1 = badam(first, "random", **FRUGAL_INNER)
+    run_steps(first, opt1, 0, cut)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed = Toy(seed=5)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = badam(resumed, "random", **FRUGAL_INNER)
+    opt2.load_state_dict(checkpoint["opt"])
+    assert opt2.state_bytes() == opt1.state_bytes() > 0
+    run_steps(resumed, opt2, cut, steps)
+    assert opt2.history == opt.history
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_inner_mismatch_in_a_state_dict_raises_and_changes_nothing():
+    model = Toy()
+    opt = badam(model, "ascending")
+    run_steps(model, opt, 0, 1)
+    other = badam(Toy(), "ascending", **FRUGAL_INNER)
+    before = (other.state_dict()["badam"]["steps_taken"], other.state_bytes())
+    with pytest.raises(ValueError, match="inner='adamw'"):
+        other.load_state_dict(opt.state_dict())
+    assert (other.state_dict()["badam"]["steps_taken"], other.state_bytes()) == before
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(inner="lion"), ValueError, "inner must be one of"),
+    (dict(density=0.5), ValueError, "options of inner='frugal'"),
+    (dict(inner="frugal", rho=0.5), TypeError, "unexpected keyword"),
+    (dict(inner="frugal", density=1.5), ValueError, "density"),
+    (dict(inner="frugal", projection="diagonal"), ValueError, "projection"),
+])
+def test_bad_inner_options_raise_and_change_nothing(kwargs, error, message):
+    model = Toy()
+    before = snapshot(model)
+    with pytest.raises(error, match=message):
+        fk.BAdam(model, **kwargs)
+    after = snapshot(model)
+    for name, (value, flag) in before.items():
+        assert torch.equal(after[name][0], value) and after[name][1] == flag, name
