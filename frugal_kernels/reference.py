@@ -10,12 +10,22 @@ backend of every op calls them directly. Arguments are as in
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from frugal_kernels._layout import back_project, matrix_shape
+
+def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
+    """``g`` in fp32 with GradScaler's scale divided out as its unscale_ does: times the
+    inverse scale, computed in double and rounded to fp32 once."""
+    g32 = g.float()
+    if grad_scale is None:
+        return g32
+    inv = torch.tensor(1.0 / grad_scale, dtype=torch.float64).float()
+    return g32 * inv
+
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_"]
 
@@ -35,14 +45,22 @@ def adamw_(
     weight_decay: float,
     step: float,
     maximize: bool = False,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
 ) -> None:
-    """AdamW with decoupled weight decay; ``step`` counts from 1 (after this update)."""
+    """AdamW with decoupled weight decay; ``step`` counts from 1 (after this update).
+
+    Every op of this module takes GradScaler's ``grad_scale`` (divided out of the
+    gradients as they are read) and ``found_inf`` (non-zero: nothing changes)."""
+    if found_inf:
+        return
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
     step_size = lr / bias_correction1
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         p32 = p.float()
-        g32 = -g.float() if maximize else g.float()
+        g32 = _unscaled(g, grad_scale)
+        g32 = -g32 if maximize else g32
         p32.mul_(1 - lr * weight_decay)
         m.lerp_(g32, 1 - beta1)
         v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
@@ -72,10 +90,15 @@ def sign_sgd_(
     lr: float,
     weight_decay: float = 0.0,
     scale: float = 1.0,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
 ) -> None:
     """``p = p * (1 - lr * weight_decay) - lr * scale * sign(g)``."""
+    if found_inf:
+        return
     for p, g in zip(params, grads):
-        p.copy_(_state_free_update(p.float(), g.float(), lr=lr, weight_decay=weight_decay,
+        p.copy_(_state_free_update(p.float(), _unscaled(g, grad_scale), lr=lr,
+                                   weight_decay=weight_decay,
                                    scale=scale, state_free="sign"))
 
 
@@ -92,12 +115,17 @@ def sgd_(
     nesterov: bool = False,
     maximize: bool = False,
     first_step: bool = False,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
 ) -> None:
     """torch.optim.SGD's update; ``first_step`` sets the buffers to the gradient."""
+    if found_inf:
+        return
     buffers = momentum_buffers if momentum != 0 else [None] * len(params)
     for p, g, buf in zip(params, grads, buffers):
         p32 = p.float()
-        g32 = -g.float() if maximize else g.float()
+        g32 = _unscaled(g, grad_scale)
+        g32 = -g32 if maximize else g32
         if weight_decay != 0:
             g32 = g32 + weight_decay * p32
         if momentum != 0:
@@ -127,6 +155,8 @@ def frugal_step_(
     step: float,
     state_free: str = "sign",
     state_free_scale: float = 1.0,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
 ) -> None:
     """One FRUGAL step on tensors whose state-full set is a subset of coordinates.
 
@@ -138,8 +168,10 @@ def frugal_step_(
     coordinate gets the ``state_free`` rule with step ``lr * state_free_scale``.
     Weight decay applies to all coordinates.
     """
+    if found_inf:
+        return
     for p, g, m, v, idx in zip(params, grads, exp_avgs, exp_avg_sqs, indices):
-        p32, g32 = p.float(), g.float()
+        p32, g32 = p.float(), _unscaled(g, grad_scale)
         idx = idx.long()
         if kind == "rows":
             full_p, full_g = p32[idx], g32[idx]
@@ -177,6 +209,8 @@ def lowrank_step_(
     weight_decay: float,
     state_free: str = "sign",
     state_free_scale: float = 1.0,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
 ) -> None:
     """The weight update of a low-rank FRUGAL step.
 
@@ -184,12 +218,16 @@ def lowrank_step_(
     back-projection (``x @ P`` for side RIGHT, ``P @ x`` for LEFT):
     ``p = p * (1 - lr * weight_decay) - lr * state_free_scale * rule(g - up(low_grad))
     + up(low_update)``, where ``low_grad = P^T g`` is the projected gradient and
-    ``low_update`` the (already lr-scaled) AdamW update in the subspace.
+    ``low_update`` the (already lr-scaled) AdamW update in the subspace. With a
+    ``grad_scale``, ``g`` is divided by it and ``low_grad`` is the projection of the
+    unscaled gradient.
     """
+    if found_inf:
+        return
     for p, g, u, lg, proj, side in zip(params, grads, low_updates, low_grads, projections, sides):
         # [m, rest] spelled out: reshape(m, -1) is ambiguous for a tensor of 0 rows.
         mn = matrix_shape(p.shape)
-        p32, g32 = p.float().reshape(mn), g.float().reshape(mn)
+        p32, g32 = p.float().reshape(mn), _unscaled(g, grad_scale).reshape(mn)
 
         residual = g32 - back_project(lg, proj, side)
         new_p = _state_free_update(p32, residual, lr=lr, weight_decay=weight_decay,

@@ -149,7 +149,9 @@ Record<T>& adamw_fields(Record<T>& r, Path... path) {
       .field("beta2", path..., &AdamWHyper::beta2)
       .field("eps", path..., &AdamWHyper::eps)
       .field("weight_decay", path..., &AdamWHyper::weight_decay)
-      .field("step", path..., &AdamWHyper::step);
+      .field("step", path..., &AdamWHyper::step)
+      .field("grad_scale", path..., &AdamWHyper::grad_scale)
+      .field("found_inf", path..., &AdamWHyper::found_inf);
 }
 
 // The tensors of one call: same-dtype tensors by address and size. Owns the
@@ -281,18 +283,23 @@ PYBIND11_MODULE(_C, m) {
   // for the real kernels, host memory for the emulated ones); 0: use the
   // value in the hyper-parameter struct.
   py::class_<cuda::DeviceScalars>(m, "DeviceScalars")
-      .def(py::init([](uintptr_t lr, uintptr_t step) {
+      .def(py::init([](uintptr_t lr, uintptr_t step, uintptr_t grad_scale, uintptr_t found_inf) {
              return cuda::DeviceScalars{reinterpret_cast<const float*>(lr),
-                                        reinterpret_cast<const float*>(step)};
+                                        reinterpret_cast<const float*>(step),
+                                        reinterpret_cast<const float*>(grad_scale),
+                                        reinterpret_cast<const float*>(found_inf)};
            }),
-           py::kw_only(), py::arg("lr") = 0, py::arg("step") = 0);
+           py::kw_only(), py::arg("lr") = 0, py::arg("step") = 0, py::arg("grad_scale") = 0,
+           py::arg("found_inf") = 0);
 
   Record<AdamWHyper> adamw_hyper(m, "AdamWHyper");
   adamw_fields(adamw_hyper).field("maximize", &AdamWHyper::maximize);
   Record<SignSgdHyper>(m, "SignSgdHyper")
       .field("lr", &SignSgdHyper::lr)
       .field("weight_decay", &SignSgdHyper::weight_decay)
-      .field("scale", &SignSgdHyper::scale);
+      .field("scale", &SignSgdHyper::scale)
+      .field("grad_scale", &SignSgdHyper::grad_scale)
+      .field("found_inf", &SignSgdHyper::found_inf);
   Record<SgdHyper>(m, "SgdHyper")
       .field("lr", &SgdHyper::lr)
       .field("momentum", &SgdHyper::momentum)
@@ -300,7 +307,9 @@ PYBIND11_MODULE(_C, m) {
       .field("weight_decay", &SgdHyper::weight_decay)
       .field("nesterov", &SgdHyper::nesterov)
       .field("maximize", &SgdHyper::maximize)
-      .field("first_step", &SgdHyper::first_step);
+      .field("first_step", &SgdHyper::first_step)
+      .field("grad_scale", &SgdHyper::grad_scale)
+      .field("found_inf", &SgdHyper::found_inf);
   Record<FrugalHyper> frugal_hyper(m, "FrugalHyper");
   adamw_fields(frugal_hyper, &FrugalHyper::adamw)
       .field("state_free", &FrugalHyper::state_free)
@@ -309,7 +318,9 @@ PYBIND11_MODULE(_C, m) {
       .field("lr", &LowrankHyper::lr)
       .field("weight_decay", &LowrankHyper::weight_decay)
       .field("state_free", &LowrankHyper::state_free)
-      .field("state_free_scale", &LowrankHyper::state_free_scale);
+      .field("state_free_scale", &LowrankHyper::state_free_scale)
+      .field("grad_scale", &LowrankHyper::grad_scale)
+      .field("found_inf", &LowrankHyper::found_inf);
 
   // ------------------------------------------------------------------ cpu
 

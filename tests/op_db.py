@@ -46,6 +46,11 @@ Compare = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], torch.dtype,
 FP32 = (torch.float32,)
 
 
+def grad_scaler_args():
+    """The registered ops' (grad_scale, found_inf) arguments as a GradScaler passes them."""
+    return torch.tensor(4.0), torch.tensor(0.0)
+
+
 @dataclass(frozen=True)
 class SampleInput:
     """One way to call an op: ``make(dtype, backend)`` builds the call; the op
@@ -200,7 +205,7 @@ def _adamw_errors():
 def _adamw_opcheck():
     p, g, m, v = make_batch([33, 4], torch.float32, seed=5)
     return (p, g, m, v, torch.tensor(1e-3), 0.9, 0.999, 1e-8, 0.01, torch.tensor(3.0), False,
-            "auto")
+            *grad_scaler_args(), "auto")
 
 
 ADAMW = OpInfo(
@@ -256,7 +261,7 @@ def _sign_sgd_errors():
 
 def _sign_sgd_opcheck():
     params, grads, _, _ = make_batch([33, 4], torch.float32, seed=5)
-    return (params, grads, torch.tensor(1e-3), 0.01, 1.0, "auto")
+    return (params, grads, torch.tensor(1e-3), 0.01, 1.0, *grad_scaler_args(), "auto")
 
 
 SIGN_SGD = OpInfo(
@@ -330,7 +335,7 @@ def _sgd_errors():
 def _sgd_opcheck():
     params, grads, buffers, _ = make_batch([33, 4], torch.float32, seed=5)
     return (params, grads, buffers, torch.tensor(1e-3), 0.9, 0.0, 0.01, True, False, False,
-            "auto")
+            *grad_scaler_args(), "auto")
 
 
 SGD = OpInfo(
@@ -446,7 +451,7 @@ def _frugal_opcheck(kind):
     def make():
         params, grads, m, v, idx = frugal_case(kind, (9, 13), torch.float32, 0.4, seed=12)
         return (params, grads, m, v, idx, kind, torch.tensor(1e-3), 0.9, 0.999, 1e-8, 0.01,
-                torch.tensor(2.0), "sign", 1.0, "auto")
+                torch.tensor(2.0), "sign", 1.0, *grad_scaler_args(), "auto")
     return make
 
 
@@ -584,7 +589,8 @@ def _lowrank_errors():
 
 def _lowrank_opcheck():
     p, g, u, lg, proj = lowrank_case((12, 8), 3, RIGHT)
-    return ([p], [g], [u], [lg], [proj], [RIGHT], torch.tensor(0.1), 0.01, "sign", 1.0, "auto")
+    return ([p], [g], [u], [lg], [proj], [RIGHT], torch.tensor(0.1), 0.01, "sign", 1.0,
+            *grad_scaler_args(), "auto")
 
 
 LOWRANK_STEP = OpInfo(

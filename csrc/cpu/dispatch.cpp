@@ -101,28 +101,36 @@ bool openmp_enabled() {
 #endif
 }
 
+// Every entry point: a non-zero found_inf (GradScaler's) leaves everything untouched.
+
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threads) {
+  if (h.found_inf != 0.0) return;
   active().adamw(t, dtype, adamw_scalars(h), num_threads);
 }
 
 void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, int num_threads) {
-  active().sign_sgd(t, dtype, sign_scalars(h.lr, h.weight_decay, h.scale), num_threads);
+  if (h.found_inf != 0.0) return;
+  active().sign_sgd(t, dtype, sign_scalars(h.lr, h.weight_decay, h.scale, h.grad_scale),
+                    num_threads);
 }
 
 void sgd(const TensorBatch& t, DType dtype, const SgdHyper& h, int num_threads) {
+  if (h.found_inf != 0.0) return;
   active().sgd(t, dtype, sgd_scalars(h), num_threads);
 }
 
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                  int num_threads) {
+  if (h.adamw.found_inf != 0.0) return;
   active().frugal_step(t, sub, dtype, frugal_scalars(h), num_threads);
 }
 
 void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,
                   DType dtype, const LowrankHyper& h, int num_threads) {
+  if (h.found_inf != 0.0) return;
   active().lowrank_step(t, up_updates, up_grads, dtype,
-                        sign_scalars(h.lr, h.weight_decay, h.state_free_scale), h.state_free,
-                        num_threads);
+                        sign_scalars(h.lr, h.weight_decay, h.state_free_scale, h.grad_scale),
+                        h.state_free, num_threads);
 }
 
 }  // namespace cpu

@@ -39,7 +39,8 @@ struct FrugalScalars {
 
 FK_HOST_DEVICE FrugalScalars frugal_scalars(const FrugalHyper& h) {
   return FrugalScalars{adamw_scalars(h.adamw),
-                       sign_scalars(h.adamw.lr, h.adamw.weight_decay, h.state_free_scale),
+                       sign_scalars(h.adamw.lr, h.adamw.weight_decay, h.state_free_scale,
+                                    h.adamw.grad_scale),
                        h.state_free};
 }
 

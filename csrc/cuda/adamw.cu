@@ -17,6 +17,7 @@ __global__ void __launch_bounds__(kAdamWThreads) adamw_kernel(const AdamWMeta me
 
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const DeviceScalars& d,
            uintptr_t stream) {
+  if (h.found_inf != 0.0) return;  // a GradScaler skip known on the host: no launch
   const AdamWArgs args = adamw_args(h, d);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

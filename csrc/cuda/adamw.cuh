@@ -29,6 +29,7 @@ static_assert(sizeof(AdamWMeta) + sizeof(AdamWArgs) <= kMaxParamBytes,
 template <typename T>
 FK_HOST_DEVICE void adamw_thread(const AdamWMeta& meta, const AdamWArgs& args, int block, int tid,
                                  int nthreads) {
+  if (skipped(args.device)) return;
   const BlockRange r = meta.range(block, kAdamWChunk);
   const int64_t n = r.end - r.begin;
   T* p = static_cast<T*>(meta.params[r.slot]) + r.begin;

@@ -29,6 +29,7 @@ void each_thread(int threads, Phase&& phase) {
 
 int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
               const cuda::DeviceScalars& d) {
+  if (h.found_inf != 0.0) return 0;  // as the real launcher: no launch
   const cuda::AdamWArgs args = cuda::adamw_args(h, d);
   int64_t launches = 0;
   dispatch_dtype(dtype, [&](auto tag) {
@@ -46,6 +47,7 @@ int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
 
 int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,
                  const cuda::DeviceScalars& d) {
+  if (h.found_inf != 0.0) return 0;
   const cuda::SignSgdArgs args = cuda::sign_sgd_args(h, d);
   int64_t launches = 0;
   dispatch_dtype(dtype, [&](auto tag) {
@@ -63,6 +65,7 @@ int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,
 
 int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                     const cuda::DeviceScalars& d) {
+  if (h.adamw.found_inf != 0.0) return 0;
   const cuda::FrugalArgs args = cuda::frugal_args(sub, h, d);
   int64_t launches = 0;
   const auto run = [&](auto tag, auto index, auto mode_tag) {

@@ -168,13 +168,21 @@ inline AdamWArgs adamw_args(const AdamWHyper& h, const DeviceScalars& d) {
 }
 
 FK_HOST_DEVICE bool on_device(const DeviceScalars& d) {
-  return d.lr != nullptr || d.step != nullptr;
+  return d.lr != nullptr || d.step != nullptr || d.grad_scale != nullptr;
 }
 
 FK_HOST_DEVICE AdamWHyper resolve_hyper(AdamWHyper h, const DeviceScalars& d) {
   if (d.lr != nullptr) h.lr = double(*d.lr);
   if (d.step != nullptr) h.step = double(*d.step);
+  if (d.grad_scale != nullptr) h.grad_scale = double(*d.grad_scale);
   return h;
+}
+
+// A GradScaler found an inf or NaN: every thread of the launch leaves its
+// elements as they are, decided on the device. (A found_inf on the host that is
+// non-zero never launches.)
+FK_HOST_DEVICE bool skipped(const DeviceScalars& d) {
+  return d.found_inf != nullptr && *d.found_inf != 0.f;
 }
 
 FK_HOST_DEVICE AdamWScalars resolve(const AdamWArgs& a) {

@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(kFrugalThreads, 4) frugal_step_kernel(const Fr
 
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                  const DeviceScalars& d, uintptr_t stream) {
+  if (h.adamw.found_inf != 0.0) return;  // a GradScaler skip known on the host: no launch
   const FrugalArgs args = frugal_args(sub, h, d);
   with_frugal_types(dtype, sub.index_is_int32, h.state_free, [&](auto tag, auto index, auto mode_tag) {
     using T = decltype(tag);

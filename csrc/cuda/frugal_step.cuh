@@ -92,7 +92,8 @@ struct FrugalBlock {
     shape = SubsetShape{args.kind, meta.rows[r.slot], meta.cols[r.slot], meta.k[r.slot]};
     begin = r.begin;
     end = r.end;
-    tiles = int((end - begin + kFrugalTile - 1) / kFrugalTile);
+    // A skipped step (GradScaler's found_inf) is a block without tiles.
+    tiles = skipped(args.device) ? 0 : int((end - begin + kFrugalTile - 1) / kFrugalTile);
     // m and v are indexed per member, never as vectors.
     aligned = aligned16(p) && aligned16(g);
     s = resolve(args);

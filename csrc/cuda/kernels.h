@@ -18,11 +18,13 @@ using cpu::SubsetBatch;
 using cpu::TensorBatch;
 
 // Hyper-parameters that may live on the device (a 0-dim float32 tensor each,
-// as torch's capturable optimizers keep lr and step); null means "use the
-// value in AdamWHyper".
+// as torch's capturable optimizers keep lr and step, and GradScaler its scale
+// and found_inf); null means "use the value in the hyper-parameter struct".
 struct DeviceScalars {
   const float* lr = nullptr;
   const float* step = nullptr;
+  const float* grad_scale = nullptr;
+  const float* found_inf = nullptr;
 };
 
 // The functions below throw std::runtime_error on a CUDA error.

@@ -17,6 +17,7 @@ __global__ void __launch_bounds__(kSignSgdThreads) sign_sgd_kernel(const SignSgd
 
 void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, const DeviceScalars& d,
               uintptr_t stream) {
+  if (h.found_inf != 0.0) return;  // a GradScaler skip known on the host: no launch
   const SignSgdArgs args = sign_sgd_args(h, d);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

@@ -119,6 +119,25 @@ def check_scalars(op: str, lr: Tensor, step: Optional[Tensor] = None) -> None:
                          f"got {float(step)}")
 
 
+def check_amp(op: str, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    """GradScaler's tensors, when given: one-element floating-point tensors."""
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor or None, got {type(t).__name__}")
+        if t.numel() != 1:
+            raise ValueError(f"{op}: {name} must have one element, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+
+
+def skipped_on_host(found_inf: Optional[Tensor]) -> bool:
+    """A found_inf that lives on the host and is set: the op returns at once.
+    One on a device is left to the kernels, which read it there (no sync)."""
+    return found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf)
+
+
 def check_finite(op: str, **values: float) -> None:
     for name, value in values.items():
         if not math.isfinite(value):
@@ -135,6 +154,9 @@ def host_value(t: Tensor) -> float:
 
 # Hyper-parameters the kernels take as the codes of csrc's enums, not by name.
 _KERNEL_CODES = {"state_free": STATE_FREE_CODES}
+# What the kernels take for an optional hyper-parameter that is not given: no
+# GradScaler is a scale of 1 and no inf found.
+_KERNEL_DEFAULTS = {"grad_scale": 1.0, "found_inf": 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +184,9 @@ class Hyper:
         """The record as its ``_C`` struct. ``scalars`` gives the values of the
         tensor fields (default: read on the host); rule names become codes."""
         values = self.on_host() if scalars is None else {**self.values(), **scalars}
+        for name, default in _KERNEL_DEFAULTS.items():
+            if name in values and values[name] is None:
+                values[name] = default
         for name, codes in _KERNEL_CODES.items():
             if name in values:
                 values[name] = codes[values[name]]

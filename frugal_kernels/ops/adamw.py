@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -12,7 +12,8 @@ from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_no_overlap, check_scalars, kernel_batch)
+                                        check_amp, check_no_overlap, check_scalars,
+                                        skipped_on_host, kernel_batch)
 
 OP = "frugal::adamw_"
 
@@ -39,6 +40,8 @@ class AdamWCore(Hyper):
 @dataclasses.dataclass(frozen=True)
 class AdamWHyper(AdamWCore):
     maximize: bool
+    grad_scale: Optional[Tensor]  # GradScaler's scale, divided out of the gradients
+    found_inf: Optional[Tensor]  # GradScaler's: non-zero leaves everything untouched
 
 
 def check_adamw_hyper(op: str, beta1: float, beta2: float, eps: float) -> None:
@@ -50,8 +53,9 @@ def check_adamw_hyper(op: str, beta1: float, beta2: float, eps: float) -> None:
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
-           maximize, backend) -> None:
+           maximize, grad_scale, found_inf, backend) -> None:
     """The metadata checks, with the op's signature: also its fake kernel."""
+    check_amp(OP, grad_scale, found_inf)
     check_batch(OP, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs})
     check_adamw_hyper(OP, beta1, beta2, eps)
     check_finite(OP, weight_decay=weight_decay)
@@ -60,27 +64,31 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_d
 @torch.library.custom_op(OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
 def _adamw_op(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
               exp_avg_sqs: List[Tensor], lr: Tensor, beta1: float, beta2: float, eps: float,
-              weight_decay: float, step: Tensor, maximize: bool, backend: str) -> None:
+              weight_decay: float, step: Tensor, maximize: bool, grad_scale: Optional[Tensor],
+              found_inf: Optional[Tensor], backend: str) -> None:
     _check(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
-           maximize, backend)
+           maximize, grad_scale, found_inf, backend)
     check_no_overlap(OP, written={"params": params, "exp_avgs": exp_avgs,
                                   "exp_avg_sqs": exp_avg_sqs}, read={"grads": grads})
     apply(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
-          maximize, backend)
+          maximize, grad_scale, found_inf, backend)
 
 
 def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
           exp_avg_sqs: List[Tensor], lr: Tensor, beta1: float, beta2: float, eps: float,
-          weight_decay: float, step: Tensor, maximize: bool, backend: str) -> None:
+          weight_decay: float, step: Tensor, maximize: bool, grad_scale: Optional[Tensor],
+          found_inf: Optional[Tensor], backend: str) -> None:
     """The op's body after its metadata checks, with the op's signature: also the
     optimizers' prepared calls (:mod:`frugal_kernels.ops.prepared`), which check
     the metadata once per plan."""
     check_scalars(OP, lr, step)
+    if skipped_on_host(found_inf):
+        return
     if not params:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
     impl(Tensors(params, [g.contiguous() for g in grads], exp_avgs, exp_avg_sqs),
-         AdamWHyper(lr, beta1, beta2, eps, weight_decay, step, maximize))
+         AdamWHyper(lr, beta1, beta2, eps, weight_decay, step, maximize, grad_scale, found_inf))
 
 
 _adamw_op.register_fake(_check)
@@ -115,7 +123,8 @@ _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
            exp_avg_sqs: Sequence[Tensor], *, lr: Scalar, beta1: float, beta2: float, eps: float,
            weight_decay: float, step: Scalar, maximize: bool = False,
-           backend: str = "auto") -> None:
+           grad_scale: Optional[Tensor] = None,
+           found_inf: Optional[Tensor] = None, backend: str = "auto") -> None:
     """AdamW (decoupled weight decay) on lists of tensors, in place, in one call.
 
     The math of ``torch.optim.AdamW``: ``p *= 1 - lr * weight_decay``;
@@ -131,11 +140,18 @@ def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence
         step: the update count after this update, from 1, as ``state["step"]``
             of torch.optim.AdamW; a number or a one-element tensor.
         maximize: ascend the objective instead.
+        grad_scale, found_inf: a GradScaler's tensors (one element each, or None):
+            the gradients are divided by ``grad_scale`` as they are read, and a
+            non-zero ``found_inf`` leaves every tensor untouched; both are read on
+            the device by the cuda and triton backends (docs/ops.md). The other ops
+            take them too.
         backend: "auto", "cpu", "cuda", "triton" or "torch" (see DESIGN.md section 3).
 
     Raises ValueError / TypeError naming the offending argument before anything
     is written.
     """
+    check_amp(OP, grad_scale, found_inf)
     _adamw_op(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
               as_scalar_tensor(OP, "lr", lr), float(beta1), float(beta2), float(eps),
-              float(weight_decay), as_scalar_tensor(OP, "step", step), bool(maximize), backend)
+              float(weight_decay), as_scalar_tensor(OP, "step", step), bool(maximize), grad_scale,
+              found_inf, backend)

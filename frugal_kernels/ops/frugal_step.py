@@ -10,7 +10,7 @@ rho < 1 moves fewer bytes than AdamW.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -20,7 +20,8 @@ from frugal_kernels._extension import extension
 from frugal_kernels._layout import STATE_FREE_RULES, SUBSET_KINDS, subset_dim, subset_state_shape
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_no_overlap, check_scalars, kernel_batch, subset_batch)
+                                        check_amp, check_no_overlap, check_scalars,
+                                        skipped_on_host, kernel_batch, subset_batch)
 from frugal_kernels.ops.adamw import AdamWCore, check_adamw_hyper
 
 OP = "frugal::frugal_step_"
@@ -39,11 +40,15 @@ class Tensors(NamedTuple):
 class FrugalHyper(AdamWCore):
     state_free: str
     state_free_scale: float
+    grad_scale: Optional[Tensor]  # GradScaler's scale, divided out of the gradients
+    found_inf: Optional[Tensor]  # GradScaler's: non-zero leaves everything untouched
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
-           weight_decay, step, state_free, state_free_scale, backend) -> None:
+           weight_decay, step, state_free, state_free_scale, grad_scale, found_inf,
+           backend) -> None:
     """The metadata checks, with the op's signature: also its fake kernel."""
+    check_amp(OP, grad_scale, found_inf)
     if kind not in SUBSET_KINDS:
         raise ValueError(f"{OP}: kind must be one of {', '.join(SUBSET_KINDS)}; got {kind!r}")
     if state_free not in STATE_FREE_RULES:
@@ -98,22 +103,26 @@ def validate_indices(params: Sequence[Tensor], indices: Sequence[Tensor], kind: 
 def _frugal_step_op(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
                     exp_avg_sqs: List[Tensor], indices: List[Tensor], kind: str, lr: Tensor,
                     beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
-                    state_free: str, state_free_scale: float, backend: str) -> None:
+                    state_free: str, state_free_scale: float, grad_scale: Optional[Tensor],
+                    found_inf: Optional[Tensor], backend: str) -> None:
     _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
-           weight_decay, step, state_free, state_free_scale, backend)
+           weight_decay, step, state_free, state_free_scale, grad_scale, found_inf, backend)
     check_no_overlap(OP, written={"params": params, "exp_avgs": exp_avgs,
                                   "exp_avg_sqs": exp_avg_sqs},
                      read={"grads": grads, "indices": indices})
     apply(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2, eps,
-          weight_decay, step, state_free, state_free_scale, backend)
+          weight_decay, step, state_free, state_free_scale, grad_scale, found_inf, backend)
 
 
 def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
           exp_avg_sqs: List[Tensor], indices: List[Tensor], kind: str, lr: Tensor,
           beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
-          state_free: str, state_free_scale: float, backend: str) -> None:
+          state_free: str, state_free_scale: float, grad_scale: Optional[Tensor],
+          found_inf: Optional[Tensor], backend: str) -> None:
     """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`)."""
     check_scalars(OP, lr, step)
+    if skipped_on_host(found_inf):
+        return
     # Empty tensors have nothing to update (and no [R, C] view to speak of).
     keep = [i for i, p in enumerate(params) if p.numel() > 0]
     if not keep:
@@ -122,7 +131,8 @@ def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
     impl(Tensors([params[i] for i in keep], [grads[i].contiguous() for i in keep],
                  [exp_avgs[i] for i in keep], [exp_avg_sqs[i] for i in keep],
                  [indices[i].contiguous() for i in keep], kind),
-         FrugalHyper(lr, beta1, beta2, eps, weight_decay, step, state_free, state_free_scale))
+         FrugalHyper(lr, beta1, beta2, eps, weight_decay, step, state_free, state_free_scale,
+                     grad_scale, found_inf))
 
 
 _frugal_step_op.register_fake(_check)
@@ -166,7 +176,9 @@ def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
                  exp_avg_sqs: Sequence[Tensor], indices: Sequence[Tensor], *, kind: str,
                  lr: Scalar, beta1: float, beta2: float, eps: float, weight_decay: float,
                  step: Scalar, state_free: str = "sign", state_free_scale: float = 1.0,
-                 backend: str = "auto", check_indices: bool = True) -> None:
+                 grad_scale: Optional[Tensor] = None,
+                 found_inf: Optional[Tensor] = None, backend: str = "auto",
+                 check_indices: bool = True) -> None:
     r"""The fused FRUGAL update of a list of tensors, in place, in one call.
 
     For each tensor, with :math:`S` its state-full coordinates (the rows,
@@ -221,10 +233,11 @@ def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
             (a host sync when they live on a GPU); callers that build the
             subsets themselves, as the optimizers do, pass False.
     """
+    check_amp(OP, grad_scale, found_inf)
     args = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(indices), kind,
             as_scalar_tensor(OP, "lr", lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), as_scalar_tensor(OP, "step", step), state_free,
-            float(state_free_scale), backend)
+            float(state_free_scale), grad_scale, found_inf, backend)
     if check_indices:
         _check(*args)
         validate_indices(args[0], args[4], kind)

@@ -17,7 +17,7 @@ pass; ``torch`` is the reference. There is no ``cuda`` backend: on GPUs
 from __future__ import annotations
 
 import dataclasses
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -28,7 +28,8 @@ from frugal_kernels._layout import (LEFT, RIGHT, SIDES, STATE_FREE_RULES, back_p
                                     projection_rank, projection_shapes)
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_no_overlap, check_scalars, kernel_batch)
+                                        check_amp, check_no_overlap, check_scalars,
+                                        skipped_on_host, kernel_batch)
 
 OP = "frugal::lowrank_step_"
 
@@ -48,11 +49,14 @@ class LowrankHyper(Hyper):
     weight_decay: float
     state_free: str
     state_free_scale: float
+    grad_scale: Optional[Tensor]  # GradScaler's scale, divided out of the gradients
+    found_inf: Optional[Tensor]  # GradScaler's: non-zero leaves everything untouched
 
 
 def _check(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
-           state_free, state_free_scale, backend) -> None:
+           state_free, state_free_scale, grad_scale, found_inf, backend) -> None:
     """The metadata checks, with the op's signature: also its fake kernel."""
+    check_amp(OP, grad_scale, found_inf)
     if state_free not in STATE_FREE_RULES:
         raise ValueError(f"{OP}: state_free must be one of {', '.join(STATE_FREE_RULES)}; "
                          f"got {state_free!r}")
@@ -89,21 +93,26 @@ def _check(params, grads, low_updates, low_grads, projections, sides, lr, weight
 def _lowrank_step_op(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
                      low_grads: List[Tensor], projections: List[Tensor], sides: List[int],
                      lr: Tensor, weight_decay: float, state_free: str, state_free_scale: float,
-                     backend: str) -> None:
+                     grad_scale: Optional[Tensor],
+                     found_inf: Optional[Tensor], backend: str) -> None:
     _check(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
-           state_free, state_free_scale, backend)
+           state_free, state_free_scale, grad_scale, found_inf, backend)
     check_no_overlap(OP, written={"params": params},
                      read={"grads": grads, "low_updates": low_updates, "low_grads": low_grads,
                       "projections": projections})
     apply(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
-          state_free, state_free_scale, backend)
+          state_free, state_free_scale, grad_scale, found_inf, backend)
 
 
 def apply(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
           low_grads: List[Tensor], projections: List[Tensor], sides: List[int], lr: Tensor,
-          weight_decay: float, state_free: str, state_free_scale: float, backend: str) -> None:
+          weight_decay: float, state_free: str, state_free_scale: float,
+          grad_scale: Optional[Tensor],
+          found_inf: Optional[Tensor], backend: str) -> None:
     """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`)."""
     check_scalars(OP, lr)
+    if skipped_on_host(found_inf):
+        return
     keep = [i for i, p in enumerate(params) if p.numel() > 0]
     if not keep:
         return
@@ -114,7 +123,7 @@ def apply(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
     read_only = [[t.contiguous() for t in lst] for lst in (grads, low_updates, low_grads,
                                                              projections)]
     impl(Tensors(*([lst[i] for i in keep] for lst in (params, *read_only, sides))),
-         LowrankHyper(lr, weight_decay, state_free, state_free_scale))
+         LowrankHyper(lr, weight_decay, state_free, state_free_scale, grad_scale, found_inf))
 
 
 _lowrank_step_op.register_fake(_check)
@@ -152,7 +161,8 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
                   low_updates: Sequence[Tensor], low_grads: Sequence[Tensor],
                   projections: Sequence[Tensor], sides: Sequence[int], *, lr: Scalar,
                   weight_decay: float = 0.0, state_free: str = "sign",
-                  state_free_scale: float = 1.0, backend: str = "auto") -> None:
+                  state_free_scale: float = 1.0, grad_scale: Optional[Tensor] = None,
+                  found_inf: Optional[Tensor] = None, backend: str = "auto") -> None:
     r"""The weight update of a low-rank FRUGAL step, in place.
 
     Each param is seen as a matrix [m, n] = [shape[0], rest] with a projection
@@ -190,6 +200,8 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
         lr, weight_decay, state_free, state_free_scale, backend: as for
             :func:`frugal_step_`.
     """
+    check_amp(OP, grad_scale, found_inf)
     _lowrank_step_op(list(params), list(grads), list(low_updates), list(low_grads),
                      list(projections), [int(s) for s in sides], as_scalar_tensor(OP, "lr", lr),
-                     float(weight_decay), state_free, float(state_free_scale), backend)
+                     float(weight_decay), state_free, float(state_free_scale), grad_scale,
+                     found_inf, backend)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -12,7 +12,8 @@ from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_no_overlap, check_scalars, kernel_batch)
+                                        check_amp, check_no_overlap, check_scalars,
+                                        skipped_on_host, kernel_batch)
 
 OP = "frugal::sgd_"
 
@@ -32,11 +33,14 @@ class SgdHyper(Hyper):
     nesterov: bool
     maximize: bool
     first_step: bool
+    grad_scale: Optional[Tensor]  # GradScaler's scale, divided out of the gradients
+    found_inf: Optional[Tensor]  # GradScaler's: non-zero leaves everything untouched
 
 
 def _check(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov,
-           maximize, first_step, backend) -> None:
+           maximize, first_step, grad_scale, found_inf, backend) -> None:
     """The metadata checks, with the op's signature: also its fake kernel."""
+    check_amp(OP, grad_scale, found_inf)
     check_finite(OP, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
     if momentum < 0.0:
         raise ValueError(f"{OP}: momentum must be >= 0, got {momentum}")
@@ -53,17 +57,21 @@ def _check(params, grads, momentum_buffers, lr, momentum, dampening, weight_deca
 @torch.library.custom_op(OP, mutates_args=("params", "momentum_buffers"))
 def _sgd_op(params: List[Tensor], grads: List[Tensor], momentum_buffers: List[Tensor], lr: Tensor,
             momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-            maximize: bool, first_step: bool, backend: str) -> None:
+            maximize: bool, first_step: bool, grad_scale: Optional[Tensor],
+            found_inf: Optional[Tensor], backend: str) -> None:
     _check(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov,
-           maximize, first_step, backend)
+           maximize, first_step, grad_scale, found_inf, backend)
     check_no_overlap(OP, written={"params": params, "momentum_buffers": momentum_buffers},
                      read={"grads": grads})
     check_scalars(OP, lr)
+    if skipped_on_host(found_inf):
+        return
     if not params:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
     impl(Tensors(params, [g.contiguous() for g in grads], momentum_buffers),
-         SgdHyper(lr, momentum, dampening, weight_decay, nesterov, maximize, first_step))
+         SgdHyper(lr, momentum, dampening, weight_decay, nesterov, maximize, first_step,
+                  grad_scale, found_inf))
 
 
 _sgd_op.register_fake(_check)
@@ -90,7 +98,8 @@ _IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
 def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
          *, lr: Scalar, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
          nesterov: bool = False, maximize: bool = False, first_step: bool = False,
-         backend: str = "auto") -> None:
+         grad_scale: Optional[Tensor] = None,
+         found_inf: Optional[Tensor] = None, backend: str = "auto") -> None:
     """SGD in place, in the order of operations of ``torch.optim.SGD(foreach=False)``.
 
     ``g = -g`` if maximize; ``g = g + weight_decay * p`` (coupled, L2);
@@ -112,6 +121,7 @@ def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Se
     Raises ValueError / TypeError naming the offending argument before anything
     is written.
     """
+    check_amp(OP, grad_scale, found_inf)
     _sgd_op(list(params), list(grads), list(momentum_buffers), as_scalar_tensor(OP, "lr", lr),
             float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-            bool(maximize), bool(first_step), backend)
+            bool(maximize), bool(first_step), grad_scale, found_inf, backend)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -12,7 +12,8 @@ from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_no_overlap, check_scalars, kernel_batch)
+                                        check_amp, check_no_overlap, check_scalars,
+                                        skipped_on_host, kernel_batch)
 
 OP = "frugal::sign_sgd_"
 
@@ -28,31 +29,39 @@ class SignSgdHyper(Hyper):
     lr: Tensor
     weight_decay: float
     scale: float
+    grad_scale: Optional[Tensor]  # GradScaler's scale, divided out of the gradients
+    found_inf: Optional[Tensor]  # GradScaler's: non-zero leaves everything untouched
 
 
-def _check(params, grads, lr, weight_decay, scale, backend) -> None:
+def _check(params, grads, lr, weight_decay, scale, grad_scale, found_inf, backend) -> None:
     """The metadata checks, with the op's signature: also its fake kernel."""
+    check_amp(OP, grad_scale, found_inf)
     check_batch(OP, params, grads, {})
     check_finite(OP, weight_decay=weight_decay, scale=scale)
 
 
 @torch.library.custom_op(OP, mutates_args=("params",))
 def _sign_sgd_op(params: List[Tensor], grads: List[Tensor], lr: Tensor, weight_decay: float,
-                 scale: float, backend: str) -> None:
-    _check(params, grads, lr, weight_decay, scale, backend)
+                 scale: float, grad_scale: Optional[Tensor],
+                 found_inf: Optional[Tensor], backend: str) -> None:
+    _check(params, grads, lr, weight_decay, scale, grad_scale, found_inf, backend)
     check_no_overlap(OP, written={"params": params},
                      read={"grads": grads})
-    apply(params, grads, lr, weight_decay, scale, backend)
+    apply(params, grads, lr, weight_decay, scale, grad_scale, found_inf, backend)
 
 
 def apply(params: List[Tensor], grads: List[Tensor], lr: Tensor, weight_decay: float,
-          scale: float, backend: str) -> None:
+          scale: float, grad_scale: Optional[Tensor],
+          found_inf: Optional[Tensor], backend: str) -> None:
     """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`)."""
     check_scalars(OP, lr)
+    if skipped_on_host(found_inf):
+        return
     if not params:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
-    impl(Tensors(params, [g.contiguous() for g in grads]), SignSgdHyper(lr, weight_decay, scale))
+    impl(Tensors(params, [g.contiguous() for g in grads]), SignSgdHyper(lr, weight_decay, scale,
+                                                                        grad_scale, found_inf))
 
 
 _sign_sgd_op.register_fake(_check)
@@ -85,11 +94,13 @@ _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
 
 def sign_sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], *, lr: Scalar,
-              weight_decay: float = 0.0, scale: float = 1.0, backend: str = "auto") -> None:
+              weight_decay: float = 0.0, scale: float = 1.0, grad_scale: Optional[Tensor] = None,
+              found_inf: Optional[Tensor] = None, backend: str = "auto") -> None:
     """SignSGD in place: ``p = p * (1 - lr * weight_decay) - lr * scale * sign(g)``.
 
     Reads p and g and writes p, nothing more: no optimizer state. Tensors as
     for :func:`adamw_`; ``lr`` a number or a one-element tensor.
     """
+    check_amp(OP, grad_scale, found_inf)
     _sign_sgd_op(list(params), list(grads), as_scalar_tensor(OP, "lr", lr), float(weight_decay),
-                 float(scale), backend)
+                 float(scale), grad_scale, found_inf, backend)

@@ -15,7 +15,7 @@ a mismatched call here is undefined, where the public ops raise.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -32,16 +32,19 @@ def _mutated(*lists: Sequence[Tensor]) -> None:
 def adamw_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
            exp_avg_sqs: List[Tensor], *, lr: Tensor, beta1: float, beta2: float, eps: float,
            weight_decay: float, step: Tensor, maximize: bool = False,
+           grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
            backend: str = "auto") -> None:
     adamw.apply(params, grads, exp_avgs, exp_avg_sqs, lr.reshape(()), float(beta1),
                 float(beta2), float(eps), float(weight_decay), step.reshape(()), bool(maximize),
-                backend)
+                grad_scale, found_inf, backend)
     _mutated(params, exp_avgs, exp_avg_sqs)
 
 
 def sign_sgd_(params: List[Tensor], grads: List[Tensor], *, lr: Tensor,
-              weight_decay: float = 0.0, scale: float = 1.0, backend: str = "auto") -> None:
-    sign_sgd.apply(params, grads, lr.reshape(()), float(weight_decay), float(scale), backend)
+              weight_decay: float = 0.0, scale: float = 1.0, grad_scale: Optional[Tensor] = None,
+              found_inf: Optional[Tensor] = None, backend: str = "auto") -> None:
+    sign_sgd.apply(params, grads, lr.reshape(()), float(weight_decay), float(scale), grad_scale,
+                   found_inf, backend)
     _mutated(params)
 
 
@@ -49,20 +52,23 @@ def frugal_step_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tenso
                  exp_avg_sqs: List[Tensor], indices: List[Tensor], *, kind: str, lr: Tensor,
                  beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
                  state_free: str = "sign", state_free_scale: float = 1.0,
+                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
                  backend: str = "auto", check_indices: bool = False) -> None:
     # check_indices is accepted for the runners' one call site: they build the subsets
     # themselves and never ask for the data check.
     frugal_step.apply(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr.reshape(()),
                       float(beta1), float(beta2), float(eps), float(weight_decay),
-                      step.reshape(()), state_free, float(state_free_scale), backend)
+                      step.reshape(()), state_free, float(state_free_scale), grad_scale,
+                      found_inf, backend)
     _mutated(params, exp_avgs, exp_avg_sqs)
 
 
 def lowrank_step_(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
                   low_grads: List[Tensor], projections: List[Tensor], sides: List[int], *,
                   lr: Tensor, weight_decay: float = 0.0, state_free: str = "sign",
-                  state_free_scale: float = 1.0, backend: str = "auto") -> None:
+                  state_free_scale: float = 1.0, grad_scale: Optional[Tensor] = None,
+                  found_inf: Optional[Tensor] = None, backend: str = "auto") -> None:
     lowrank_step.apply(params, grads, low_updates, low_grads, projections,
                        [int(s) for s in sides], lr.reshape(()), float(weight_decay), state_free,
-                       float(state_free_scale), backend)
+                       float(state_free_scale), grad_scale, found_inf, backend)
     _mutated(params)

@@ -1,4 +1,4 @@
-"""BAdam: block coordinate descent with AdamW (or FRUGAL) on one block at a time (DESIGN.md section 1)."""
+"""BAdam: block coordinate descent, AdamW (or FRUGAL) on one block at a time (DESIGN.md section 1)."""
 
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ class BAdam(torch.optim.Optimizer):
 
         Driven by a GradScaler (``found_inf`` set and non-zero) the step is skipped
         and nothing changes, the schedule included; ``grad_scale`` is divided out of
-        the gradients first otherwise.
+        the gradients by the fused op as it reads them otherwise (they stay scaled).
         """
         loss = None
         if closure is not None:
@@ -239,21 +239,19 @@ class BAdam(torch.optim.Optimizer):
         group = self.param_groups[self.active_block_index]
         params = [p for p in group["params"] if p.grad is not None]
         grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is not None and params:
-            torch._foreach_mul_([p.grad for p in params], grad_scale.reciprocal())
         self._steps_taken += 1
         self._block_steps += 1
         if self._inner is not None:
-            self._step_inner(group)
+            self._step_inner(group, grad_scale)
         elif params:
-            self._update(group, params)
+            self._update(group, params, grad_scale)
         if self._block_steps >= self._switch_every:
             self._switch("switch_every")
         return loss
 
     # ------------------------------------------------------------------ update
 
-    def _update(self, group: dict, params: List[Tensor]) -> None:
+    def _update(self, group: dict, params: List[Tensor], grad_scale: Optional[Tensor]) -> None:
         beta1, beta2 = group["betas"]
         by_kind: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = defaultdict(list)
         for p in params:
@@ -268,15 +266,20 @@ class BAdam(torch.optim.Optimizer):
             ops.adamw_(targets, grads, [st["exp_avg"] for st in states],
                        [st["exp_avg_sq"] for st in states], lr=group["lr"], beta1=beta1,
                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                       step=self._block_steps, backend=self.backend)
+                       step=self._block_steps, grad_scale=grad_scale, backend=self.backend)
             if dtype != torch.float32:
                 torch._foreach_copy_(ps, targets)
 
-    def _step_inner(self, group: dict) -> None:
+    def _step_inner(self, group: dict, grad_scale: Optional[Tensor]) -> None:
         for inner_group in self._inner.param_groups:
             for key in ("lr", "betas", "eps", "weight_decay"):
                 inner_group[key] = group[key]
-        self._inner.step()
+        # The scale reaches the inner FRUGAL's ops as a GradScaler's would.
+        self._inner.grad_scale = grad_scale
+        try:
+            self._inner.step()
+        finally:
+            del self._inner.grad_scale
 
     def _make_inner(self, index: int) -> FRUGAL:
         """The FRUGAL of block ``index``, seeded by BAdam's seed and the step it starts at."""
@@ -402,8 +405,9 @@ class BAdam(torch.optim.Optimizer):
         generator = torch.Generator()
         generator.set_state(extra["generator"])
         if extra.get("inner", "adamw") != self.inner:
-            raise ValueError(f"the state dict was saved with inner={extra.get('inner', 'adamw')!r}, "
-                             f"this optimizer uses inner={self.inner!r}")
+            saved_inner = extra.get("inner", "adamw")
+            raise ValueError(f"the state dict was saved with inner={saved_inner!r}, this "
+                             f"optimizer uses inner={self.inner!r}")
         inner = None
         if self.inner == "frugal":
             # Built and loaded before anything of this optimizer changes: its

@@ -122,19 +122,22 @@ def step_counters(plan: Sequence[Bucket], state) -> List[Tensor]:
     return [state[p]["step"] for b in plan if b.assignment.stateful for p in b.params]
 
 
-def run(bucket: Bucket, grads: List[Tensor], state, backend: str) -> None:
-    """One fused op call: ``bucket``'s tensors take their rule with ``grads``."""
+def run(bucket: Bucket, grads: List[Tensor], state, backend: str,
+        grad_scale: Optional[Tensor] = None) -> None:
+    """One fused op call: ``bucket``'s tensors take their rule with ``grads``, which a
+    GradScaler's ``grad_scale`` (when given) is divided out of inside the op."""
     runner = RUNNERS[bucket.assignment.rule]
+    amp = {} if grad_scale is None else {"grad_scale": grad_scale}
     if torch.compiler.is_compiling():
-        runner(bucket, grads, state, backend, ops)
+        runner(bucket, grads, state, backend, ops, amp)
         return
     sig = signature(bucket.params)
     if bucket.checked is not None and bucket.checked == sig:
-        runner(bucket, grads, state, backend, unchecked)
+        runner(bucket, grads, state, backend, unchecked, amp)
         return
     bucket.checked = None
     bucket.cache.clear()  # made for the tensors the bucket held before
-    runner(bucket, grads, state, backend, ops)
+    runner(bucket, grads, state, backend, ops, amp)
     bucket.checked = sig
 
 
@@ -144,21 +147,22 @@ def _moments(bucket: Bucket, state):
             states[0]["step"])
 
 
-def _adamw(bucket: Bucket, grads, state, backend, calls) -> None:
+def _adamw(bucket: Bucket, grads, state, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     _, m, v, step = _moments(bucket, state)
     calls.adamw_(bucket.params, grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
-               eps=group["eps"], weight_decay=group["weight_decay"], step=step, backend=backend)
+               eps=group["eps"], weight_decay=group["weight_decay"], step=step, backend=backend,
+               **amp)
 
 
-def _state_free(bucket: Bucket, grads, state, backend, calls) -> None:
+def _state_free(bucket: Bucket, grads, state, backend, calls, amp) -> None:
     group, params = bucket.group, bucket.params
     rule = group["state_free"]
     wd, scale = group["weight_decay"], group["state_free_lr_scale"]
     if rule == "sign":
         calls.sign_sgd_(params, grads, lr=bucket.lr, weight_decay=wd, scale=scale,
-                        backend=backend)
+                        backend=backend, **amp)
         return
     # sgd / none: the fused FRUGAL op with an empty state-full set.
     if "empty" not in bucket.cache:
@@ -169,10 +173,10 @@ def _state_free(bucket: Bucket, grads, state, backend, calls) -> None:
     empty, zeros, one = bucket.cache["empty"]
     calls.frugal_step_(params, grads, zeros, zeros, empty, kind="flat", lr=bucket.lr, beta1=0.0,
                      beta2=0.0, eps=0.0, weight_decay=wd, step=one, state_free=rule,
-                     state_free_scale=scale, backend=backend, check_indices=False)
+                     state_free_scale=scale, backend=backend, check_indices=False, **amp)
 
 
-def _subset(bucket: Bucket, grads, state, backend, calls) -> None:
+def _subset(bucket: Bucket, grads, state, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     states, m, v, step = _moments(bucket, state)
@@ -181,16 +185,21 @@ def _subset(bucket: Bucket, grads, state, backend, calls) -> None:
                      eps=group["eps"], weight_decay=group["weight_decay"], step=step,
                      state_free=group["state_free"],
                      state_free_scale=group["state_free_lr_scale"], backend=backend,
-                     check_indices=False)
+                     check_indices=False, **amp)
 
 
-def _lowrank(bucket: Bucket, grads, state, backend, calls) -> None:
+def _lowrank(bucket: Bucket, grads, state, backend, calls, amp) -> None:
     group, params = bucket.group, bucket.params
     beta1, beta2 = group["betas"]
     states, m, v, step = _moments(bucket, state)
     projections = [st["projection"] for st in states]
     sides = [lowrank_side(p.shape) for p in params]
     low_grads = [project(g, proj, side) for g, proj, side in zip(grads, projections, sides)]
+    if amp:
+        # The projections of the unscaled gradient, as lowrank_step_ takes them: the
+        # low-rank tensors are small, so they are unscaled here rather than in the op.
+        inv = amp["grad_scale"].double().reciprocal().float()
+        torch._foreach_mul_(low_grads, inv)
     # AdamW on a zero "parameter" without decay leaves exactly the update in it.
     low_updates = [torch.zeros_like(lg) for lg in low_grads]
     calls.adamw_(low_updates, low_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
@@ -200,12 +209,13 @@ def _lowrank(bucket: Bucket, grads, state, backend, calls) -> None:
     rule = "none" if bucket.assignment.full_rank else group["state_free"]
     calls.lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=bucket.lr,
                       weight_decay=group["weight_decay"], state_free=rule,
-                      state_free_scale=group["state_free_lr_scale"], backend=backend)
+                      state_free_scale=group["state_free_lr_scale"], backend=backend, **amp)
 
 
-# A runner takes the bucket, its gradients, the optimizer's state, the backend and
-# the module whose op faces it calls (``ops``, or ``ops.unchecked`` once checked).
-RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], dict, str, Any], None]] = {
+# A runner takes the bucket, its gradients, the optimizer's state, the backend, the
+# module whose op faces it calls (``ops``, or ``ops.unchecked`` once checked) and the
+# GradScaler keywords of its op calls (``grad_scale``, or none).
+RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], dict, str, Any, dict], None]] = {
     "adamw": _adamw,
     "state_free": _state_free,
     "subset": _subset,

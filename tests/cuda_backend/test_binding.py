@@ -73,7 +73,7 @@ def test_batches_check_their_lengths():
     with pytest.raises(ValueError, match="unknown subset kind code 2"):
         _C.SubsetBatch(kind=2, index_is_int32=True, indices=[0], rows=[1], cols=[1], k=[0])
     hyper = _C.AdamWHyper(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1.0,
-                          maximize=False)
+                          maximize=False, grad_scale=1.0, found_inf=0.0)
     with pytest.raises(ValueError, match="exp_avgs: 0 entries for 2 tensors"):
         _C.adamw_cpu(kernel_batch(_C, p, g), hyper, 1)
     idx = [torch.arange(2)]

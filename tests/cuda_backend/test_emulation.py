@@ -46,7 +46,7 @@ class AdamWCase:
 
     def hyper(self, lr=LR, step=STEP):
         return _C.AdamWHyper(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, step=step,
-                             maximize=self.maximize)
+                             maximize=self.maximize, grad_scale=1.0, found_inf=0.0)
 
     def run_cpu(self):
         p, m, v = ([t.clone() for t in ts] for ts in (self.p, self.m, self.v))
@@ -138,13 +138,15 @@ class SignSgdCase:
 
     def run_emulated(self, lr=LR, lr_ptr=0):
         return _C.sign_sgd_cuda_emulated(kernel_batch(_C, self.p, self.g),
-                                         _C.SignSgdHyper(lr=lr, weight_decay=WD, scale=0.5),
+                                         _C.SignSgdHyper(lr=lr, weight_decay=WD, scale=0.5,
+                                                         grad_scale=1.0, found_inf=0.0),
                                          _C.DeviceScalars(lr=lr_ptr))
 
     def check(self):
         want = [t.clone() for t in self.p]
         _C.sign_sgd_cpu(kernel_batch(_C, want, self.g),
-                        _C.SignSgdHyper(lr=LR, weight_decay=WD, scale=0.5),
+                        _C.SignSgdHyper(lr=LR, weight_decay=WD, scale=0.5, grad_scale=1.0,
+                                        found_inf=0.0),
                         torch.get_num_threads())
         launches = self.run_emulated()
         assert_equal("params", self.p, want)
@@ -193,7 +195,7 @@ class FrugalCase:
         return [kernel_batch(_C, p, self.g, m, v), subset_batch(_C, p, self.idx, self.kind),
                 _C.FrugalHyper(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD,
                                step=step, state_free=STATE_FREE_CODES[self.mode],
-                               state_free_scale=0.5)]
+                               state_free_scale=0.5, grad_scale=1.0, found_inf=0.0)]
 
     def run_cpu(self):
         p, m, v = ([t.clone() for t in ts] for ts in (self.p, self.m, self.v))

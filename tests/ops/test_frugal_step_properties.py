@@ -84,7 +84,8 @@ def test_cuda_kernel_logic_matches_cpu_kernel_bit_for_bit(case):
                                 indices=[idx.data_ptr()], rows=[rows], cols=[cols],
                                 k=[idx.numel()]),
                 ext.FrugalHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                                step=2.0, state_free_scale=1.0, state_free=0)]
+                                step=2.0, state_free_scale=1.0, state_free=0,
+                                grad_scale=1.0, found_inf=0.0)]
         fn(*args, 1 if fn is ext.frugal_step_cpu else ext.DeviceScalars())
         runs.append(t)
     for a, b in zip(*runs):

@@ -343,24 +343,26 @@ _COMPILE = textwrap.dedent("""
     ADAMW = ["decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "bc2_sqrt",
              "eps"]
     CASES = [
-        (adamw._adamw_kernel, ADAMW, dict(P_DTYPE=tl.float32, MAXIMIZE=False,
+        (adamw._adamw_kernel, ADAMW, dict(P_DTYPE=tl.float32, MAXIMIZE=False, AMP=True,
                                           SCALARS_IN_KERNEL=False, ALIGNED=True,
                                           BLOCK=adamw.BLOCK), adamw.NUM_WARPS),
         (sign_sgd._sign_sgd_kernel, ["decay", "step"], dict(
-            P_DTYPE=tl.bfloat16, SCALARS_IN_KERNEL=True, ALIGNED=True, BLOCK=sign_sgd.BLOCK),
+            P_DTYPE=tl.bfloat16, AMP=False, SCALARS_IN_KERNEL=True, ALIGNED=True,
+            BLOCK=sign_sgd.BLOCK),
          sign_sgd.NUM_WARPS),
         (frugal_step._frugal_step_kernel, ADAMW + ["sf_step"], dict(
-            P_DTYPE=tl.float32, INDEX_DTYPE=tl.int32, COLUMNS=True, STATE_FREE=0,
+            P_DTYPE=tl.float32, AMP=True, INDEX_DTYPE=tl.int32, COLUMNS=True, STATE_FREE=0,
             SCALARS_IN_KERNEL=True, ALIGNED=True, BLOCK=frugal_step.BLOCK),
          frugal_step.NUM_WARPS),
         (frugal_step._frugal_step_kernel, ADAMW + ["sf_step"], dict(
-            P_DTYPE=tl.float16, INDEX_DTYPE=tl.int64, COLUMNS=False, STATE_FREE=1,
+            P_DTYPE=tl.float16, AMP=False, INDEX_DTYPE=tl.int64, COLUMNS=False, STATE_FREE=1,
             SCALARS_IN_KERNEL=False, ALIGNED=False, BLOCK=frugal_step.BLOCK),
          frugal_step.NUM_WARPS),
     ]
     for fn, floats, constexprs, num_warps in CASES:
+        # amp: GradScaler's (inverse scale, found_inf) pair, read when AMP is set.
         signature = {"table": "*i64", "n_tensors": "i32", **{f: "fp32" for f in floats},
-                     **{c: "constexpr" for c in constexprs}}
+                     "amp": "*fp32", **{c: "constexpr" for c in constexprs}}
         source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": num_warps, "enable_fp_fusion": False}).asm["ptx"]

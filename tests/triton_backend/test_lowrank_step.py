@@ -166,14 +166,14 @@ _COMPILE = textwrap.dedent("""
     # The FMAs of the two fp32 dots: BLOCK_M * BLOCK_N * BLOCK_K each, over the threads.
     dot_fmas = 2 * k.BLOCK_M * k.BLOCK_N * k.BLOCK_K // (32 * k.NUM_WARPS)
     for side, param, in_kernel in ((0, "fp32", False), (1, "bf16", True), (0, "fp16", True)):
-        constexprs = dict(SIDE=side, STATE_FREE=0, SCALARS_IN_KERNEL=in_kernel,
+        constexprs = dict(AMP=in_kernel, SIDE=side, STATE_FREE=0, SCALARS_IN_KERNEL=in_kernel,
                           BLOCK_M=k.BLOCK_M, BLOCK_N=k.BLOCK_N, BLOCK_K=k.BLOCK_K,
                           GROUP_M=k.GROUP_M)
         if not in_kernel:
             constexprs["tail"] = None  # as launched when lr is on the host
         signature = {"p_ptr": "*" + param, "g_ptr": "*" + param, "u_ptr": "*fp32",
                      "lg_ptr": "*fp32", "proj_ptr": "*fp32", "tail": "*i64", "M": "i32",
-                     "N": "i32", "R": "i32", "decay": "fp32", "step": "fp32",
+                     "N": "i32", "R": "i32", "decay": "fp32", "step": "fp32", "amp": "*fp32",
                      **{c: "constexpr" for c in constexprs}}
         source = triton.compiler.ASTSource(fn=k._lowrank_step_kernel, signature=signature,
                                            constexprs=constexprs)

@@ -18,6 +18,10 @@ struct AdamWHyper {
   double weight_decay;
   double step;  // count after this update, from 1, as torch's state["step"]
   bool maximize;
+  // GradScaler's scale, divided out of the gradients as they are read (1: none),
+  // and its found_inf: non-zero leaves everything untouched.
+  double grad_scale;
+  double found_inf;
 };
 
 // What the inner loop needs, derived once per call in double precision (as
@@ -31,8 +35,12 @@ struct AdamWScalars {
   float step_size;    // lr / (1 - beta1^step)
   float bc2_sqrt;     // sqrt(1 - beta2^step)
   float eps;
+  float inv_grad_scale;  // 1 / grad_scale, as GradScaler's unscale_ multiplies
   bool maximize;
 };
+
+// GradScaler computes its inverse scale in double and rounds it to fp32 once.
+FK_HOST_DEVICE float inverse_scale(double grad_scale) { return float(1.0 / grad_scale); }
 
 FK_HOST_DEVICE AdamWScalars adamw_scalars(const AdamWHyper& h) {
   AdamWScalars s;
@@ -44,6 +52,7 @@ FK_HOST_DEVICE AdamWScalars adamw_scalars(const AdamWHyper& h) {
   s.step_size = float(h.lr / (1.0 - pow(h.beta1, h.step)));
   s.bc2_sqrt = float(sqrt(1.0 - pow(h.beta2, h.step)));
   s.eps = float(h.eps);
+  s.inv_grad_scale = inverse_scale(h.grad_scale);
   s.maximize = h.maximize;
   return s;
 }
@@ -51,6 +60,7 @@ FK_HOST_DEVICE AdamWScalars adamw_scalars(const AdamWHyper& h) {
 // One AdamW coordinate: decoupled decay, moment updates, bias-corrected step.
 // m and v are updated in place; the new parameter value is returned.
 FK_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s) {
+  g = g * s.inv_grad_scale;
   if (s.maximize) g = -g;
   p = p * s.decay;
   // torch's lerp(m, g, w) with w = 1 - beta1 < 0.5
@@ -68,6 +78,8 @@ struct SignSgdHyper {
   double lr;
   double weight_decay;
   double scale;  // the step is lr * scale
+  double grad_scale;  // as AdamWHyper's
+  double found_inf;
 };
 
 // Hyper-parameters of one frugal_step_ call: AdamW's for the state-full
@@ -85,37 +97,49 @@ struct LowrankHyper {
   double weight_decay;
   double state_free_scale;
   StateFree state_free;
+  double grad_scale;  // as AdamWHyper's
+  double found_inf;
 };
 
 struct SignScalars {
-  float decay;  // 1 - lr * weight_decay
-  float step;   // lr * scale
+  float decay;           // 1 - lr * weight_decay
+  float step;            // lr * scale
+  float inv_grad_scale;  // as AdamWScalars'
 };
 
-FK_HOST_DEVICE SignScalars sign_scalars(double lr, double weight_decay, double scale) {
-  return SignScalars{float(1.0 - lr * weight_decay), float(lr * scale)};
+FK_HOST_DEVICE SignScalars sign_scalars(double lr, double weight_decay, double scale,
+                                        double grad_scale) {
+  return SignScalars{float(1.0 - lr * weight_decay), float(lr * scale), inverse_scale(grad_scale)};
 }
 
 FK_HOST_DEVICE float sign_of(float g) {
   return g > 0.f ? 1.f : (g < 0.f ? -1.f : 0.f);
 }
 
-// A state-free coordinate: decay, then a step along -sign(g), -g, or none.
+// A state-free coordinate given its unscaled gradient: decay, then a step
+// along -sign(g), -g, or none.
 template <StateFree Mode>
-FK_HOST_DEVICE float state_free_update(float p, float g, const SignScalars& s) {
+FK_HOST_DEVICE float state_free_rule(float p, float g, const SignScalars& s) {
   p = p * s.decay;
   if (Mode == StateFree::kSign) return p - s.step * sign_of(g);
   if (Mode == StateFree::kSgd) return p - s.step * g;
   return p;
 }
 
+// The same from the gradient as stored (scaled by a GradScaler, or not).
+template <StateFree Mode>
+FK_HOST_DEVICE float state_free_update(float p, float g, const SignScalars& s) {
+  return state_free_rule<Mode>(p, g * s.inv_grad_scale, s);
+}
+
 // The weight update of a low-rank FRUGAL step, once the back-projections are
 // known: `up_update` = P(AdamW update in the subspace) and `up_grad` =
-// P(P^T g), so that g - up_grad is the residual the state-free rule sees.
+// P(P^T g) of the unscaled gradient, so that g - up_grad is the residual the
+// state-free rule sees.
 template <StateFree Mode>
 FK_HOST_DEVICE float lowrank_update(float p, float g, float up_update, float up_grad,
                                     const SignScalars& s) {
-  return state_free_update<Mode>(p, g - up_grad, s) + up_update;
+  return state_free_rule<Mode>(p, g * s.inv_grad_scale - up_grad, s) + up_update;
 }
 
 
@@ -130,6 +154,8 @@ struct SgdHyper {
   bool nesterov;
   bool maximize;
   bool first_step;
+  double grad_scale;  // as AdamWHyper's
+  double found_inf;
 };
 
 struct SgdScalars {
@@ -137,6 +163,7 @@ struct SgdScalars {
   float momentum;
   float one_minus_dampening;
   float weight_decay;
+  float inv_grad_scale;  // as AdamWScalars'
   bool use_momentum;  // momentum != 0: the buffers exist and are updated
   bool nesterov;
   bool maximize;
@@ -145,8 +172,8 @@ struct SgdScalars {
 
 FK_HOST_DEVICE SgdScalars sgd_scalars(const SgdHyper& h) {
   return SgdScalars{float(h.lr), float(h.momentum), float(1.0 - h.dampening),
-                    float(h.weight_decay), h.momentum != 0.0, h.nesterov, h.maximize,
-                    h.first_step};
+                    float(h.weight_decay), inverse_scale(h.grad_scale), h.momentum != 0.0,
+                    h.nesterov, h.maximize, h.first_step};
 }
 
 // One SGD coordinate in the order of torch.optim.SGD(foreach=False): the
@@ -154,6 +181,7 @@ FK_HOST_DEVICE SgdScalars sgd_scalars(const SgdHyper& h) {
 // momentum buffer, the Nesterov look-ahead. buf is updated in place when
 // momentum is on; the new parameter value is returned.
 FK_HOST_DEVICE float sgd_update(float p, float g, float& buf, const SgdScalars& s) {
+  g = g * s.inv_grad_scale;
   if (s.maximize) g = -g;
   if (s.weight_decay != 0.f) g = g + s.weight_decay * p;
   if (s.use_momentum) {

@@ -118,6 +118,25 @@ def device_scalars(scalars: Sequence[Tensor], device: torch.device) -> List[Tens
     return [s.detach().reshape(()).to(device=device, dtype=torch.float64) for s in scalars]
 
 
+def amp_scalars(grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+                device: Optional[torch.device]) -> Tuple[Optional[Tensor], bool]:
+    """GradScaler's tensors as a kernel reads them: an fp32 pair (inverse scale,
+    found_inf) on ``device``, derived there without a host sync, and True; or
+    (None, False) without a GradScaler. The inverse is GradScaler's: computed in
+    double and rounded to fp32 once."""
+    if grad_scale is None and found_inf is None:
+        return None, False
+    if grad_scale is None:
+        inv = torch.ones((), device=device)
+    else:
+        inv = (1.0 / grad_scale.detach().reshape(()).to(device, torch.float64)).float()
+    if found_inf is None:
+        found = torch.zeros((), device=device)
+    else:
+        found = found_inf.detach().reshape(()).to(device, torch.float32)
+    return torch.stack([inv, found]), True
+
+
 def launch_table(device: torch.device, numels: Sequence[int], records: Sequence[Sequence[int]],
                  block: int, tail: Sequence[int] = ()) -> Tuple[Tensor, int]:
     """The packed int64 table of one launch (layout in the module docstring) and its grid.
@@ -149,6 +168,18 @@ def find_tile(table, n_tensors):
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     return lo, pid - tl.load(table + lo)
+
+
+@triton.jit
+def amp_in_kernel(amp, count, AMP: tl.constexpr):
+    """(inverse grad scale, positions to update) of a tile: no positions when a
+    GradScaler found an inf, decided on the device."""
+    if AMP:
+        inv = tl.load(amp)
+        count = tl.where(tl.load(amp + 1) != 0.0, 0, count)
+    else:
+        inv = 1.0
+    return inv, count
 
 
 @triton.jit

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, device_scalars, f64_bits,
+    TL_DTYPES, adamw_scalars, amp_in_kernel, amp_scalars, adamw_scalars_in_kernel, aligned,
+    device_scalars, f64_bits,
     field_ptr, find_tile, launch_table, load_tile, log_beta, start, store_tile, tail_f64,
     tail_scalar)
 
@@ -48,11 +49,11 @@ def adamw_update(p, g, m, v, decay, one_minus_beta1, beta2, one_minus_beta2, ste
 
 @triton.jit
 def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, count, decay, one_minus_beta1, beta2,
-                one_minus_beta2, step_size, bc2_sqrt, eps, MAXIMIZE: tl.constexpr,
+                one_minus_beta2, step_size, bc2_sqrt, eps, inv, MAXIMIZE: tl.constexpr,
                 MASKED: tl.constexpr, BLOCK: tl.constexpr):
     lane = tl.arange(0, BLOCK)
     p = load_tile(p_ptr, lane, count, MASKED)
-    g = load_tile(g_ptr, lane, count, MASKED)
+    g = load_tile(g_ptr, lane, count, MASKED) * inv
     m = load_tile(m_ptr, lane, count, MASKED)
     v = load_tile(v_ptr, lane, count, MASKED)
     p, m, v = adamw_update(p, g, m, v, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
@@ -64,7 +65,8 @@ def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, count, decay, one_minus_beta1, beta2
 
 @triton.jit(do_not_specialize=["n_tensors"])
 def _adamw_kernel(table, n_tensors, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
-                  bc2_sqrt, eps, P_DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr,
+                  bc2_sqrt, eps, amp, P_DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr,
+                  AMP: tl.constexpr,
                   SCALARS_IN_KERNEL: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     if SCALARS_IN_KERNEL:
         tail = table + (n_tensors + 1) + n_tensors * _RECORD
@@ -84,18 +86,19 @@ def _adamw_kernel(table, n_tensors, decay, one_minus_beta1, beta2, one_minus_bet
         m_ptr = tl.multiple_of(m_ptr, 16)
         v_ptr = tl.multiple_of(v_ptr, 16)
     count = tl.minimum(tl.load(record + 4) - start, BLOCK)  # positions in this tile
+    inv, count = amp_in_kernel(amp, count, AMP)
     if count == BLOCK:
         _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, count, decay, one_minus_beta1, beta2,
-                    one_minus_beta2, step_size, bc2_sqrt, eps, MAXIMIZE, False, BLOCK)
-    else:
+                    one_minus_beta2, step_size, bc2_sqrt, eps, inv, MAXIMIZE, False, BLOCK)
+    elif count > 0:
         _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, count, decay, one_minus_beta1, beta2,
-                    one_minus_beta2, step_size, bc2_sqrt, eps, MAXIMIZE, True, BLOCK)
+                    one_minus_beta2, step_size, bc2_sqrt, eps, inv, MAXIMIZE, True, BLOCK)
 
 
 def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
            exp_avg_sqs: Sequence[Tensor], *, lr: Tensor, beta1: float, beta2: float, eps: float,
-           weight_decay: float, step: Tensor, maximize: bool,
-           scalars_in_kernel: Optional[bool] = None) -> None:
+           weight_decay: float, step: Tensor, maximize: bool, grad_scale: Optional[Tensor] = None,
+           found_inf: Optional[Tensor] = None, scalars_in_kernel: Optional[bool] = None) -> None:
     """AdamW in place, as ``frugal_kernels.ops.adamw_`` (inputs already checked).
 
     ``lr`` and ``step`` are 0-dim tensors. ``scalars_in_kernel`` (default: when
@@ -114,12 +117,14 @@ def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence
         scalars = (0.0, 1.0 - beta1, beta2, 1.0 - beta2, 0.0, 0.0, eps)
     else:
         scalars = adamw_scalars(float(lr), beta1, beta2, eps, weight_decay, float(step))
+    amp, use_amp = amp_scalars(grad_scale, found_inf, device)
     tensors = [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in items]
     records = [[t.data_ptr() for t in group] + [group[0].numel()] for group in tensors]
     table, grid = launch_table(device, [group[0].numel() for group in tensors], records, BLOCK,
                                tail)
     _adamw_kernel[(grid,)](
-        table, len(items), *scalars, P_DTYPE=TL_DTYPES[params[0].dtype], MAXIMIZE=bool(maximize),
+        table, len(items), *scalars, amp if use_amp else table,
+        P_DTYPE=TL_DTYPES[params[0].dtype], MAXIMIZE=bool(maximize), AMP=use_amp,
         SCALARS_IN_KERNEL=bool(scalars_in_kernel),
         ALIGNED=aligned([t for group in tensors for t in group]), BLOCK=BLOCK,
         num_warps=NUM_WARPS, enable_fp_fusion=False)

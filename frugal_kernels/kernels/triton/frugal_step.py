@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, TL_INDEX_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, device_scalars,
+    TL_DTYPES, TL_INDEX_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, amp_in_kernel,
+    amp_scalars, device_scalars,
     f64_bits, field_ptr, find_tile, from_param, launch_table, load_tile, log_beta, sign_scalars,
     start, store_tile, tail_f64, tail_scalar, to_param)
 from frugal_kernels.kernels.triton.adamw import adamw_update
@@ -111,12 +112,12 @@ def _member_positions(idx_ptr, a, C, q_begin, inner_len, outer_base, lane, liste
 
 @triton.jit
 def _frugal_tile(p_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, a, count, C, k, decay, one_minus_beta1,
-                 beta2, one_minus_beta2, step_size, bc2_sqrt, eps, sf_step,
+                 beta2, one_minus_beta2, step_size, bc2_sqrt, eps, sf_step, inv,
                  COLUMNS: tl.constexpr, STATE_FREE: tl.constexpr, MASKED: tl.constexpr,
                  BLOCK: tl.constexpr):
     lane = tl.arange(0, BLOCK)
     p = load_tile(p_ptr, lane, count, MASKED)
-    g = load_tile(g_ptr, lane, count, MASKED)
+    g = load_tile(g_ptr, lane, count, MASKED) * inv
     q_begin, q_end, inner_len, outer_base, slot_base = _tile_members(idx_ptr, a, a + count, C, k,
                                                                      COLUMNS)
     m_ptr += slot_base + q_begin
@@ -141,7 +142,7 @@ def _frugal_tile(p_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, a, count, C, k, decay, one
         tl.store(p_ptr + lane, to_param(state_free_update(p, g, decay, sf_step, STATE_FREE),
                                         p_ptr.dtype.element_ty), mask=free)
         mp = from_param(tl.load(p_ptr + position, mask=listed, other=0.0))
-        mg = from_param(tl.load(g_ptr + position, mask=listed, other=0.0))
+        mg = from_param(tl.load(g_ptr + position, mask=listed, other=0.0)) * inv
         m = tl.load(m_ptr + lane, mask=listed)
         v = tl.load(v_ptr + lane, mask=listed)
         mp, m, v = adamw_update(mp, mg, m, v, decay, one_minus_beta1, beta2, one_minus_beta2,
@@ -156,7 +157,8 @@ def _frugal_tile(p_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, a, count, C, k, decay, one
 
 @triton.jit(do_not_specialize=["n_tensors"])
 def _frugal_step_kernel(table, n_tensors, decay, one_minus_beta1, beta2, one_minus_beta2,
-                        step_size, bc2_sqrt, eps, sf_step, P_DTYPE: tl.constexpr,
+                        step_size, bc2_sqrt, eps, sf_step, amp, P_DTYPE: tl.constexpr,
+                        AMP: tl.constexpr,
                         INDEX_DTYPE: tl.constexpr, COLUMNS: tl.constexpr,
                         STATE_FREE: tl.constexpr, SCALARS_IN_KERNEL: tl.constexpr,
                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
@@ -180,13 +182,14 @@ def _frugal_step_kernel(table, n_tensors, decay, one_minus_beta1, beta2, one_min
     count = tl.minimum(tl.load(record + 5) - a, BLOCK)  # positions in this tile
     C = tl.load(record + 6)
     k = tl.load(record + 7)
+    inv, count = amp_in_kernel(amp, count, AMP)
     if count == BLOCK:
         _frugal_tile(p_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, a, count, C, k, decay, one_minus_beta1,
-                     beta2, one_minus_beta2, step_size, bc2_sqrt, eps, sf_step, COLUMNS,
+                     beta2, one_minus_beta2, step_size, bc2_sqrt, eps, sf_step, inv, COLUMNS,
                      STATE_FREE, False, BLOCK)
-    else:
+    elif count > 0:
         _frugal_tile(p_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, a, count, C, k, decay, one_minus_beta1,
-                     beta2, one_minus_beta2, step_size, bc2_sqrt, eps, sf_step, COLUMNS,
+                     beta2, one_minus_beta2, step_size, bc2_sqrt, eps, sf_step, inv, COLUMNS,
                      STATE_FREE, True, BLOCK)
 
 
@@ -194,6 +197,7 @@ def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
                  exp_avg_sqs: Sequence[Tensor], indices: Sequence[Tensor], *, kind: str,
                  lr: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
                  step: Tensor, state_free: str, state_free_scale: float,
+                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
                  scalars_in_kernel: Optional[bool] = None) -> None:
     """The FRUGAL step in place, as ``frugal_kernels.ops.frugal_step_`` (inputs already
     checked, indices sorted and unique).
@@ -215,6 +219,7 @@ def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
     else:
         scalars = adamw_scalars(float(lr), beta1, beta2, eps, weight_decay, float(step)) + (
             sign_scalars(float(lr), weight_decay, state_free_scale)[1],)
+    amp, use_amp = amp_scalars(grad_scale, found_inf, device)
     records = []
     for i in items:
         _, _, cols = matrix_view(params[i], kind)
@@ -223,7 +228,8 @@ def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
                         cols, indices[i].numel()])
     table, grid = launch_table(device, [params[i].numel() for i in items], records, BLOCK, tail)
     _frugal_step_kernel[(grid,)](
-        table, len(items), *scalars, P_DTYPE=TL_DTYPES[params[0].dtype],
+        table, len(items), *scalars, amp if use_amp else table,
+        P_DTYPE=TL_DTYPES[params[0].dtype], AMP=use_amp,
         INDEX_DTYPE=TL_INDEX_DTYPES[indices[items[0]].dtype], COLUMNS=kind == "columns",
         STATE_FREE=STATE_FREE_CODES[state_free], SCALARS_IN_KERNEL=bool(scalars_in_kernel),
         ALIGNED=aligned([t for i in items for t in (params[i], grads[i])]), BLOCK=BLOCK,

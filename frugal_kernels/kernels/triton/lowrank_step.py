@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    device_scalars, f64_bits, from_param, launch_table, sign_scalars, start, tail_f64,
+    amp_scalars, device_scalars, f64_bits, from_param, launch_table, sign_scalars, start, tail_f64,
     tail_scalar, to_param)
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
 from frugal_kernels._layout import RIGHT, STATE_FREE_CODES, projection_rank
@@ -102,8 +102,8 @@ def _back_projections(u_ptr, lg_ptr, proj_ptr, rows, cols, M, N, R, SIDE: tl.con
 
 
 @triton.jit
-def _lowrank_step_kernel(p_ptr, g_ptr, u_ptr, lg_ptr, proj_ptr, tail, M, N, R, decay, step,
-                         SIDE: tl.constexpr, STATE_FREE: tl.constexpr,
+def _lowrank_step_kernel(p_ptr, g_ptr, u_ptr, lg_ptr, proj_ptr, tail, M, N, R, decay, step, amp,
+                         AMP: tl.constexpr, SIDE: tl.constexpr, STATE_FREE: tl.constexpr,
                          SCALARS_IN_KERNEL: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     if SCALARS_IN_KERNEL:
@@ -126,9 +126,16 @@ def _lowrank_step_kernel(p_ptr, g_ptr, u_ptr, lg_ptr, proj_ptr, tail, M, N, R, d
     up_update, up_grad = _back_projections(u_ptr, lg_ptr, proj_ptr, rows, cols, M, N, R, SIDE,
                                            BLOCK_M, BLOCK_N, BLOCK_K)
     at = rows[:, None] * N + cols[None, :]
-    inside = (rows < M)[:, None] & (cols < N)[None, :]
+    if AMP:
+        # A GradScaler found an inf: no row is read or written, decided on the device.
+        inv = tl.load(amp)
+        live_rows = tl.where(tl.load(amp + 1) == 0.0, M, 0)
+    else:
+        inv = 1.0
+        live_rows = M
+    inside = (rows < live_rows)[:, None] & (cols < N)[None, :]
     p = from_param(tl.load(p_ptr + at, mask=inside, other=0.0))
-    g = from_param(tl.load(g_ptr + at, mask=inside, other=0.0))
+    g = from_param(tl.load(g_ptr + at, mask=inside, other=0.0)) * inv
     # update_rules.h lowrank_update: the state-free rule on the residual, then
     # the back-projected AdamW update.
     p = state_free_update(p, g - up_grad, decay, step, STATE_FREE) + up_update
@@ -139,6 +146,7 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
                   low_updates: Sequence[Tensor], low_grads: Sequence[Tensor],
                   projections: Sequence[Tensor], sides: Sequence[int], *, lr: Tensor,
                   weight_decay: float, state_free: str, state_free_scale: float,
+                  grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
                   scalars_in_kernel: Optional[bool] = None) -> None:
     """The low-rank step in place, as ``frugal_kernels.ops.lowrank_step_`` (inputs already
     checked: matrices of the right shapes, fp32 low tensors and projections, all
@@ -159,6 +167,7 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
         scalars = (0.0, 0.0)  # derived in the kernel
     else:
         scalars = sign_scalars(float(lr), weight_decay, state_free_scale)
+    amp, use_amp = amp_scalars(grad_scale, found_inf, device)
     for i in items:
         p = params[i]
         m = p.shape[0]
@@ -168,6 +177,6 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
         grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
         _lowrank_step_kernel[grid](
             p, grads[i], low_updates[i], low_grads[i], projections[i], tail, m, n, r, *scalars,
-            SIDE=side, STATE_FREE=STATE_FREE_CODES[state_free],
+            amp if use_amp else p, AMP=use_amp, SIDE=side, STATE_FREE=STATE_FREE_CODES[state_free],
             SCALARS_IN_KERNEL=bool(scalars_in_kernel), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_warps=NUM_WARPS, enable_fp_fusion=False)

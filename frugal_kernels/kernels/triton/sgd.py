@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, aligned, device_scalars, field_ptr, find_tile, launch_table, load_tile, start,
+    TL_DTYPES, aligned, amp_in_kernel, amp_scalars, device_scalars, field_ptr, find_tile,
+    launch_table, load_tile, start,
     store_tile, tail_scalar)
 
 # Not tuned on hardware yet; as for adamw.
@@ -49,13 +50,13 @@ def sgd_update(p, g, buf, lr, momentum, one_minus_dampening, weight_decay,
 
 
 @triton.jit
-def _sgd_tile(p_ptr, g_ptr, b_ptr, count, lr, momentum, one_minus_dampening, weight_decay,
+def _sgd_tile(p_ptr, g_ptr, b_ptr, count, lr, momentum, one_minus_dampening, weight_decay, inv,
               MAXIMIZE: tl.constexpr, DECAY: tl.constexpr, MOMENTUM: tl.constexpr,
               NESTEROV: tl.constexpr, FIRST_STEP: tl.constexpr, MASKED: tl.constexpr,
               BLOCK: tl.constexpr):
     lane = tl.arange(0, BLOCK)
     p = load_tile(p_ptr, lane, count, MASKED)
-    g = load_tile(g_ptr, lane, count, MASKED)
+    g = load_tile(g_ptr, lane, count, MASKED) * inv
     buf = g  # unread unless momentum is on and this is not the first step
     if MOMENTUM and not FIRST_STEP:
         buf = load_tile(b_ptr, lane, count, MASKED)
@@ -67,8 +68,9 @@ def _sgd_tile(p_ptr, g_ptr, b_ptr, count, lr, momentum, one_minus_dampening, wei
 
 
 @triton.jit(do_not_specialize=["n_tensors"])
-def _sgd_kernel(table, n_tensors, lr, momentum, one_minus_dampening, weight_decay,
-                P_DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr,
+def _sgd_kernel(table, n_tensors, lr, momentum, one_minus_dampening, weight_decay, amp,
+                P_DTYPE: tl.constexpr, AMP: tl.constexpr, MAXIMIZE: tl.constexpr,
+                DECAY: tl.constexpr,
                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, FIRST_STEP: tl.constexpr,
                 SCALARS_IN_KERNEL: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     if SCALARS_IN_KERNEL:
@@ -85,17 +87,19 @@ def _sgd_kernel(table, n_tensors, lr, momentum, one_minus_dampening, weight_deca
         g_ptr = tl.multiple_of(g_ptr, 16)
         b_ptr = tl.multiple_of(b_ptr, 16)
     count = tl.minimum(tl.load(record + 3) - start, BLOCK)  # positions in this tile
+    inv, count = amp_in_kernel(amp, count, AMP)
     if count == BLOCK:
         _sgd_tile(p_ptr, g_ptr, b_ptr, count, lr, momentum, one_minus_dampening, weight_decay,
-                  MAXIMIZE, DECAY, MOMENTUM, NESTEROV, FIRST_STEP, False, BLOCK)
-    else:
+                  inv, MAXIMIZE, DECAY, MOMENTUM, NESTEROV, FIRST_STEP, False, BLOCK)
+    elif count > 0:
         _sgd_tile(p_ptr, g_ptr, b_ptr, count, lr, momentum, one_minus_dampening, weight_decay,
-                  MAXIMIZE, DECAY, MOMENTUM, NESTEROV, FIRST_STEP, True, BLOCK)
+                  inv, MAXIMIZE, DECAY, MOMENTUM, NESTEROV, FIRST_STEP, True, BLOCK)
 
 
 def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
          *, lr: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-         maximize: bool, first_step: bool, scalars_in_kernel: Optional[bool] = None) -> None:
+         maximize: bool, first_step: bool, grad_scale: Optional[Tensor] = None,
+         found_inf: Optional[Tensor] = None, scalars_in_kernel: Optional[bool] = None) -> None:
     """SGD in place, as ``frugal_kernels.ops.sgd_`` (inputs already checked).
 
     ``lr`` is a 0-dim tensor; ``scalars_in_kernel`` as for ``adamw_``.
@@ -111,6 +115,7 @@ def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Se
         host_lr = 0.0  # read in the kernel
     else:
         host_lr = float(lr)
+    amp, use_amp = amp_scalars(grad_scale, found_inf, device)
     records, tensors = [], []
     for i in items:
         p, g = params[i], grads[i]
@@ -121,7 +126,8 @@ def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Se
     table, grid = launch_table(device, [params[i].numel() for i in items], records, BLOCK, tail)
     _sgd_kernel[(grid,)](
         table, len(items), host_lr, momentum, 1.0 - dampening, weight_decay,
-        P_DTYPE=TL_DTYPES[params[0].dtype], MAXIMIZE=bool(maximize),
+        amp if use_amp else table, P_DTYPE=TL_DTYPES[params[0].dtype], AMP=use_amp,
+        MAXIMIZE=bool(maximize),
         DECAY=weight_decay != 0.0, MOMENTUM=use_momentum, NESTEROV=bool(nesterov),
         FIRST_STEP=bool(first_step), SCALARS_IN_KERNEL=bool(scalars_in_kernel),
         ALIGNED=aligned(tensors), BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
