@@ -1,4 +1,4 @@
-"""BAdam: block coordinate descent, AdamW (or FRUGAL) on one block at a time (DESIGN.md section 1)."""
+"""BAdam: block coordinate descent, AdamW or FRUGAL on one block at a time (DESIGN.md section 1)."""
 
 from __future__ import annotations
 
