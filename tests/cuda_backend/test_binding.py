@@ -56,10 +56,13 @@ def test_structs_refuse_missing_unknown_and_mistyped_fields(record):
 
 
 def test_a_record_becomes_its_struct_with_host_values_and_codes():
-    h = FrugalHyper(torch.tensor(0.5), 0.9, 0.999, 1e-8, 0.1, torch.tensor(3.0), "none", 2.0)
+    h = FrugalHyper(torch.tensor(0.5), 0.9, 0.999, 1e-8, 0.1, torch.tensor(3.0), "none", 2.0,
+                    torch.tensor(8.0), None)
     struct = h.kernel(_C)
     assert (struct.lr, struct.step, struct.state_free, struct.state_free_scale) == (0.5, 3.0, 2,
                                                                                   2.0)
+    # GradScaler's tensors as host values; one not given is no scale and no inf.
+    assert (struct.grad_scale, struct.found_inf) == (8.0, 0.0)
 
 
 def test_batches_check_their_lengths():
@@ -78,7 +81,8 @@ def test_batches_check_their_lengths():
         _C.adamw_cpu(kernel_batch(_C, p, g), hyper, 1)
     idx = [torch.arange(2)]
     subsets = subset_batch(_C, p[:1], idx, "flat")
-    frugal = FrugalHyper(torch.tensor(0.1), 0.9, 0.999, 1e-8, 0.0, torch.tensor(1.0), "sign", 1.0)
+    frugal = FrugalHyper(torch.tensor(0.1), 0.9, 0.999, 1e-8, 0.0, torch.tensor(1.0), "sign", 1.0,
+                         None, None)
     with pytest.raises(ValueError, match="indices: 1 entries for 2 tensors"):
         _C.frugal_step_cpu(kernel_batch(_C, p, g, p, p), subsets, frugal.kernel(_C), 1)
     assert [t.tolist() for t in p] == [[0.0] * 3, [0.0] * 4]

@@ -299,18 +299,20 @@ def test_the_ops_cuda_backends_build_the_same_call_as_the_cpu_ones(emulated_cuda
     """ops.<op>._cuda: the hyper-parameter struct, DeviceScalars and batch it
     builds drive the (emulated) kernels to the cpu backend's bits."""
     lr, step = torch.tensor(LR), torch.tensor(STEP)
+    scale, found = torch.tensor(4.0), torch.tensor(0.0)  # GradScaler's, as the optimizers pass
     data = adamw_data([CHUNK + 3, 77], torch.bfloat16, seed=20)
     got, want = _both(adamw, adamw.Tensors(*data),
-                      adamw.AdamWHyper(lr, BETA1, BETA2, EPS, WD, step, True))
+                      adamw.AdamWHyper(lr, BETA1, BETA2, EPS, WD, step, True, scale, found))
     for a, b in zip(got, want):
         assert_equal("adamw_", a, b)
     got, want = _both(sign_sgd, sign_sgd.Tensors(*sign_sgd_data([CHUNK + 3], torch.float16, 21)),
-                      sign_sgd.SignSgdHyper(lr, WD, 0.5))
+                      sign_sgd.SignSgdHyper(lr, WD, 0.5, scale, None))
     assert_equal("sign_sgd_", got.params, want.params)
     for kind, rule in (("rows", "sgd"), ("columns", "sign"), ("flat", "none")):
         data = frugal_data(kind, FRUGAL_SHAPES[kind], torch.float32, torch.int32, seed=22)
         got, want = _both(frugal_step, frugal_step.Tensors(*data, kind),
-                          frugal_step.FrugalHyper(lr, BETA1, BETA2, EPS, WD, step, rule, 0.5))
+                          frugal_step.FrugalHyper(lr, BETA1, BETA2, EPS, WD, step, rule, 0.5,
+                                                  None, found))
         for a, b in zip(got[:3], want[:3]):
             assert_equal(f"frugal_step_ {kind}", a, b)
 
