@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from frugal_kernels import ops
 from frugal_kernels._layout import first_overlap
 from frugal_kernels.optim import plan
+from frugal_kernels.optim.memory import storage_bytes
 from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
 
@@ -57,8 +58,8 @@ class FusedOptimizer(Optimizer):
         self._plan: Optional[List[Bucket]] = None
         self._plan_key: Optional[tuple] = None
         self._lr_tensors: Dict[int, Tensor] = {}
-        self._steps: List[Tensor] = []
-        self._steps_plan: Optional[List[Bucket]] = None  # the plan self._steps lists
+        self._steps: Optional[Tensor] = None
+        self._steps_plan: Optional[List[Bucket]] = None  # the plan self._steps counts for
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------- subclass hooks
@@ -101,9 +102,10 @@ class FusedOptimizer(Optimizer):
     # ------------------------------------------------------------------ public
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state allocated right now (every tensor in ``self.state``)."""
-        return sum(value.untyped_storage().nbytes() for st in self.state.values()
-                   for value in st.values() if isinstance(value, Tensor))
+        """Bytes of optimizer state allocated right now: every storage of the tensors in
+        ``self.state`` once (the step counts of a plan are views of one tensor)."""
+        return storage_bytes(value for st in self.state.values() for value in st.values()
+                             if isinstance(value, Tensor))
 
     def add_param_group(self, param_group: dict) -> None:
         gi = len(self.param_groups)
@@ -182,12 +184,11 @@ class FusedOptimizer(Optimizer):
                 self._group_lr(gi, group).fill_(group["lr"])
         if self._steps_plan is not self._plan:
             # The counters are replaced only when the plan is rebuilt (new moments, a
-            # loaded state dict): listed once per plan.
-            self._steps = plan.step_counters(self._plan, self.state)
+            # loaded state dict): packed once per plan.
+            self._steps = plan.pack_step_counters(self._plan, self.state)
             self._steps_plan = self._plan
-        steps = self._steps
-        if steps:
-            torch._foreach_add_(steps, 1.0)
+        if self._steps is not None:
+            self._steps.add_(1.0)
         # GradScaler's scale goes to the ops, which divide it out as they read the
         # gradients: no separate pass over them (8 bytes per parameter).
         return self._plan, [[p.grad for p in b.params] for b in self._plan], grad_scale

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Iterable
 
-__all__ = ["release_freed_memory"]
+import torch
+
+__all__ = ["release_freed_memory", "storage_bytes"]
 
 
 def release_freed_memory() -> None:
@@ -34,3 +37,12 @@ def _load_libc():
 
 
 _LIBC = _load_libc()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each counted once (views share one)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())

@@ -31,7 +31,7 @@ from frugal_kernels.ops import unchecked
 from frugal_kernels._layout import lowrank_side, project
 
 __all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
-           "run", "signature", "step_counters"]
+           "run", "signature", "pack_step_counters"]
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,18 @@ def build(param_groups: Sequence[dict], state,
     return list(buckets.values())
 
 
-def step_counters(plan: Sequence[Bucket], state) -> List[Tensor]:
-    """The bias-correction step counts of the plan's state-full tensors."""
-    return [state[p]["step"] for b in plan if b.assignment.stateful for p in b.params]
+def pack_step_counters(plan: Sequence[Bucket], state) -> Optional[Tensor]:
+    """The bias-correction step counts of the plan's state-full tensors as one tensor,
+    each tensor's ``state["step"]`` becoming a 0-dim view of it (None if there are
+    none), so that one ``add_`` counts a step for all of them: ``_foreach_add_``
+    over 0-dim CPU tensors took about 5 us per tensor, 560 us a step for LLaMA-130M's."""
+    states = [state[p] for b in plan if b.assignment.stateful for p in b.params]
+    if not states:
+        return None
+    packed = torch.stack([st["step"] for st in states])
+    for i, st in enumerate(states):
+        st["step"] = packed[i]
+    return packed
 
 
 def run(bucket: Bucket, grads: List[Tensor], state, backend: str,

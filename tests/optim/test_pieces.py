@@ -159,3 +159,25 @@ def test_adafrugal_forwards_frugal_options_and_keeps_its_own_keyword_only():
         fk.AdaFRUGAL(groups(proj, reg), 1e-3, 0.5)  # rho_start is keyword-only
     with pytest.raises(TypeError):
         fk.AdaFRUGAL(groups(proj, reg), rho_steps=10, projections="rows")  # a typo
+
+
+def test_one_add_counts_a_step_for_every_state_full_tensor():
+    # The plan packs the bias-correction counts into one tensor, each state["step"]
+    # a view of it: one add per step instead of one per tensor.
+    proj, reg = make_params(seed=3)
+    opt = fk.FRUGAL(groups(proj, reg), projection="columns", density=0.5, update_gap=100,
+                    **HYPER)
+    for t in range(3):
+        set_grads(proj + reg, [torch.randn_like(p) for p in proj + reg])
+        opt.step()
+    steps = [st["step"] for st in opt.state.values() if "step" in st]
+    assert len(steps) > 1 and all(float(s) == 3.0 for s in steps)
+    storage = steps[0].untyped_storage().data_ptr()
+    assert all(s.untyped_storage().data_ptr() == storage for s in steps)
+    # state_bytes counts that storage once.
+    moments = sum(st[k].numel() * 4 for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")
+                  if k in st)
+    others = sum(v.untyped_storage().nbytes() for st in opt.state.values()
+                 for k, v in st.items() if isinstance(v, torch.Tensor)
+                 and k not in ("exp_avg", "exp_avg_sq", "step"))
+    assert opt.state_bytes() == moments + others + steps[0].untyped_storage().nbytes()
