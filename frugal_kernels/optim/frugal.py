@@ -9,6 +9,7 @@ from torch import Tensor
 
 from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check_int, check_number
+from frugal_kernels.optim import plan
 from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
 from frugal_kernels.optim.projections import DENSE, FAMILIES, Projection, Subspace
@@ -133,7 +134,37 @@ class FRUGAL(FusedOptimizer):
         # Per projected group (by index) whose subspace is chosen: its family's record.
         self._subspaces: Dict[int, dict] = {}
         self.history: List[dict] = []
+        # from_optimizer: the AdamW moments to carry into the first step's state.
+        self._carried: Dict[Tensor, dict] = {}
         super().__init__(params, defaults, backend, nonfinite, seed)
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **options):
+        """This optimizer over an existing ``torch.optim.AdamW`` (or ``Adam`` with
+        decoupled or no weight decay)'s parameters, keeping its param groups, their
+        hyper-parameters (lr, betas, eps, weight_decay, and any key of your own, such
+        as ``"projected"`` or a scheduler's ``"initial_lr"``) and its moments.
+
+        ``options`` are this optimizer's own (``density``, ``projection``,
+        ``update_gap``, ...; AdaFRUGAL's schedules) and defaults for keys the groups
+        lack. The Adam moments and step count of each parameter are carried into
+        its state-full part at its first step with a gradient: whole for AdamW
+        coordinates (non-projected groups, state-full blocks), the subset's rows,
+        columns or coordinates for ``rows`` / ``columns`` / ``randk``; the low-rank
+        kinds (``random``, ``svd``) start their moments afresh (a projection of a
+        second moment is not the second moment of the projection). The carried
+        tensors are the old optimizer's: delete it to free its state. A scheduler
+        holds its optimizer: make a new one for the new optimizer (``last_epoch``
+        with the ``"initial_lr"`` the groups kept resumes its schedule).
+
+        Raises TypeError for another optimizer type and ValueError for settings
+        FRUGAL does not have (``amsgrad``, ``maximize``, Adam's coupled weight
+        decay); the old optimizer is left as it was.
+        """
+        groups, carried = _groups_and_moments(optimizer)
+        new = cls(groups, **options)
+        new._carried = carried
+        return new
 
     @property
     def update_gap(self) -> int:
@@ -174,9 +205,32 @@ class FRUGAL(FusedOptimizer):
                 self._plan = None
 
     def _after_plan(self) -> None:
+        if self._carried:
+            self._carry_moments()
         if self._last_change == self._steps_taken:
             # The state the new subspaces dropped is free now: hand it back to the OS.
             release_freed_memory()
+
+    def _carry_moments(self) -> None:
+        """The first step's state-full moments from the optimizer this one was made from
+        (:meth:`from_optimizer`); the carried tensors are let go after it."""
+        carried, self._carried = self._carried, {}
+        for bucket in self._plan:
+            rule = bucket.assignment.rule
+            if rule not in ("adamw", "subset"):
+                continue
+            for p in bucket.params:
+                old = carried.get(p)
+                if old is None:
+                    continue
+                st = self.state[p]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key].copy_(_gather(old[key], st.get("indices"),
+                                          bucket.assignment.subset_kind if rule == "subset"
+                                          else None))
+                st["step"] = torch.tensor(old["step"], dtype=torch.float32)
+        # Buckets share one bias-correction step: the carried counts may split them.
+        self._plan = plan.build(self.param_groups, self.state, self._assign, self._group_lr)
 
     def _state_may_change(self) -> bool:
         return (self._last_change is None
@@ -302,6 +356,53 @@ class FRUGAL(FusedOptimizer):
         self._subspaces = {int(gi): _copy_record(r) for gi, r in _saved_subspaces(extra).items()}
         self.history = [dict(h) for h in extra["history"]]
         self._load_schedule_state(extra)
+
+
+# torch.optim.Adam / AdamW group keys FRUGAL has no use for (or refuses when set).
+_TORCH_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                    "decoupled_weight_decay")
+
+
+def _groups_and_moments(optimizer: torch.optim.Optimizer) -> Tuple[List[dict], Dict[Tensor, dict]]:
+    """``optimizer``'s param groups without torch's implementation keys, and each
+    parameter's Adam moments and step; TypeError / ValueError before anything is built."""
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise TypeError(f"from_optimizer takes a torch.optim.AdamW or Adam, got "
+                        f"{type(optimizer).__name__}")
+    adamw = isinstance(optimizer, torch.optim.AdamW)
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        if group.get("amsgrad"):
+            raise ValueError(f"param group {gi}: amsgrad=True has no FRUGAL counterpart")
+        if group.get("maximize"):
+            raise ValueError(f"param group {gi}: maximize=True has no FRUGAL counterpart")
+        if not adamw and group.get("weight_decay", 0.0) and \
+                not group.get("decoupled_weight_decay"):
+            raise ValueError(f"param group {gi}: Adam's weight_decay is an L2 term in the "
+                             "gradient, FRUGAL's is decoupled (AdamW's); use AdamW, "
+                             "decoupled_weight_decay=True or weight_decay=0")
+        groups.append({k: (list(v) if k == "params" else v) for k, v in group.items()
+                       if k not in _TORCH_ONLY_KEYS})
+    carried = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            if "exp_avg" in st and "exp_avg_sq" in st:
+                carried[p] = {"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"],
+                              "step": float(st["step"])}
+    return groups, carried
+
+
+def _gather(moment: Tensor, indices: Optional[Tensor], subset_kind: Optional[str]) -> Tensor:
+    """The part of a full moment a state-full subset keeps (all of it without one)."""
+    if subset_kind is None:
+        return moment
+    idx = indices.long()
+    if subset_kind == "rows":
+        return moment[idx]
+    if subset_kind == "columns":
+        return moment[..., idx]
+    return moment.reshape(-1)[idx]
 
 
 def _copy_record(record: dict) -> dict:
