@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, List, Optional
 
+import torch
 from torch import Tensor
 
 from frugal_kernels.optim.base import check_int, check_number
@@ -140,8 +141,12 @@ class AdaFRUGAL(FRUGAL):
         self._rho_scale = saved["rho_scale"]
 
     def observe_loss(self, value: float | Tensor) -> None:
-        """Feed one (validation or smoothed training) loss to the dynamic-T rule."""
-        loss = float(value)
+        """Feed one (validation or smoothed training) loss to the dynamic-T rule.
+
+        Under ``torch.distributed`` (a process group of more than one rank) the rule
+        sees the mean of the ranks' losses, so every rank keeps the same T: then every
+        rank must call this at the same steps (it is a collective, one all-reduce)."""
+        loss = _mean_over_ranks(float(value))
         if not math.isfinite(loss):
             raise ValueError(f"observe_loss got a non-finite loss {loss}")
         if not self.dynamic_update_gap:
@@ -205,3 +210,16 @@ class AdaFRUGAL(FRUGAL):
         self._rho_scale = float(extra["rho_scale"])
         self._next_rho_scale = float(extra["next_rho_scale"])
         self._losses = [float(x) for x in extra["losses"]]
+
+
+def _mean_over_ranks(value: float) -> float:
+    """``value`` averaged over the ranks of the default process group (itself without one)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    world = torch.distributed.get_world_size()
+    if world == 1:
+        return value
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total)
+    return float(total) / world

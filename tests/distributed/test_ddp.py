@@ -74,6 +74,13 @@ def _rank(rank, world, port, out):
             "params": [p.detach().clone() for p in ddp.module.parameters()],
             "history": [dict(h) for h in opt.history],
         }
+    # AdaFRUGAL's loss-aware T with a loss that differs per rank: the rule sees the
+    # mean, so the ranks grow T together.
+    ada = optimizer("AdaFRUGAL", "columns", model())
+    for loss in ([1.0, 1.0, 1.0] if rank == 0 else [3.0, 2.0, 1.0]):
+        ada.observe_loss(loss)
+    results["observe_loss"] = {"update_gap": ada.update_gap,
+                               "history": [dict(h) for h in ada.history]}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -110,3 +117,11 @@ def test_ranks_agree_and_match_one_process(two_ranks, kind, projection):
         # Sign flips of near-zero gradients move a coordinate by 2 * lr (0.02); measured
         # here: no coordinate apart by more than 1e-7 in any configuration.
         assert fraction_apart(a, b.detach()) <= 0.02, name
+
+
+def test_observe_loss_keeps_the_ranks_on_one_schedule(two_ranks):
+    # Alone, rank 0 (a flat loss) would see a plateau and grow T while rank 1 (a falling
+    # loss) would not; on the mean (2, 1.5, 1: no plateau) both keep T.
+    rank0, rank1 = two_ranks[0]["observe_loss"], two_ranks[1]["observe_loss"]
+    assert rank0 == rank1
+    assert rank0["update_gap"] == 2
