@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from frugal_kernels import _quant
 from frugal_kernels._layout import back_project, matrix_shape
 
 def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
@@ -27,7 +28,7 @@ def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     return g32 * inv
 
 
-__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_"]
+__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "dqt_update_"]
 
 
 
@@ -234,3 +235,46 @@ def lowrank_step_(
                                    scale=state_free_scale, state_free=state_free)
         new_p = new_p + back_project(u, proj, side)
         p.copy_(new_p.reshape(p.shape))
+
+
+@torch.no_grad()
+def dqt_update_(
+    codes: Sequence[Tensor],
+    scales: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    indices: Sequence[Tensor],
+    *,
+    bits: int,
+    kind: str,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+    state_free: str = "sign",
+    state_free_scale: float = 1.0,
+    seeds: Sequence[int],
+    rng_step: int,
+) -> None:
+    """One DQT step on INT-n weights in the format of :mod:`frugal_kernels._quant`.
+
+    For each weight: dequantize ``W = s * q``; apply :func:`frugal_step_` to ``W``
+    (AdamW with compact moments on the ``indices`` subset, the ``state_free``
+    rule elsewhere; all rows gives plain AdamW, no indices plain SignSGD);
+    round ``W / s`` stochastically with the uniforms of ``(seeds[i], rng_step,
+    element index)``; pack the codes back. ``grads[i]`` is ``[R, C]``; the scales
+    do not change.
+    """
+    for q, s, g, m, v, idx, seed in zip(codes, scales, grads, exp_avgs, exp_avg_sqs, indices,
+                                        seeds):
+        rows, cols = g.shape
+        w = _quant.dequantize(q, s, bits, cols)
+        frugal_step_([w], [g], [m], [v], [idx], kind=kind, lr=lr, beta1=beta1, beta2=beta2,
+                     eps=eps, weight_decay=weight_decay, step=step, state_free=state_free,
+                     state_free_scale=state_free_scale)
+        x = w / s.float().reshape(-1, 1)
+        u = _quant.uniform(seed, rng_step, torch.arange(rows * cols, device=g.device))
+        q.copy_(_quant.pack(_quant.stochastic_round(x, u.reshape(rows, cols), bits), bits))

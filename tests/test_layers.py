@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS = {
     "frugal_kernels._version": 0,
     "frugal_kernels._layout": 0,
+    "frugal_kernels._quant": 0,
     "frugal_kernels._C": 0,  # the compiled kernels (a shared library, not a .py file)
     "frugal_kernels._extension": 1,
     "frugal_kernels.kernels": 2,
