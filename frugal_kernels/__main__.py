@@ -151,6 +151,8 @@ def _train(args: argparse.Namespace) -> int:
     from frugal_kernels.train import TrainConfig, steps_for_budget
 
     config = _train_config(args, TrainConfig())
+    if args.lr is None and args.matrix_lr_ratio is None:  # the demo's tuned lrs, if any
+        config = demo.run_config(config, args.optimizer)
     data = load_corpus(config.data, max_bytes=config.max_bytes)
     if args.flop_budget is not None:
         governor = {k: v for k, v in (("window", args.governor_window),
@@ -167,8 +169,11 @@ def _train(args: argparse.Namespace) -> int:
           f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
           f"{config.device}"
           + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else ""))
-    metrics = demo.run_train(config, args.optimizer, data=data, out=args.out,
-                             progress=_progress(args), save_model=args.save_model)
+    try:
+        metrics = demo.run_train(config, args.optimizer, data=data, out=args.out,
+                                 progress=_progress(args), save_model=args.save_model)
+    except ValueError as exc:  # a peer whose package is missing
+        raise CommandLineError(str(exc)) from None
     run = metrics["runs"][args.optimizer]
     print()
     print(demo.table(metrics))
@@ -266,13 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
     from frugal_kernels.train import TrainConfig
 
     demo_parser = sub.add_parser(
-        "demo", help="train one model with AdamW, FRUGAL and AdaFRUGAL and compare them",
+        "demo", help="train one model with AdamW, FRUGAL, AdaFRUGAL and their peers and "
+                     "compare them",
         description="Train the same model from the same initialisation on the same batches "
-                    "with each optimizer (by default AdamW, FRUGAL rho=0.25, AdaFRUGAL and "
-                    "AdaFRUGAL under the compute governor with the full run's FLOPs as budget), "
-                    "then print a table of validation loss, optimizer state, peak memory and "
-                    "step time, and write metrics.json and demo.png. The defaults take about "
-                    "4 minutes on a 2-core CPU.")
+                    "with each optimizer (by default AdamW, FRUGAL rho=0.25, AdaFRUGAL, "
+                    "AdaFRUGAL under the compute governor with the full run's FLOPs as budget, "
+                    "BAdam, and the peers whose package is installed: GaLore, APOLLO, "
+                    "Adam-mini, 8-bit AdamW), each at its learning rates from the package's "
+                    "tuned.json, then print a table of validation loss, held memory, optimizer "
+                    "state, peak memory and step time, and write metrics.json, table.md, "
+                    "table.csv and demo.png. The defaults take about 5 minutes on a 2-core CPU.")
     demo_parser.add_argument(
         "--optimizers", nargs="+", metavar="NAME", default=list(demo.OPTIMIZERS),
         choices=list(demo.OPTIMIZERS),

@@ -193,6 +193,9 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
     if entry.budget_from is not None:
         raise ValueError(f"{name!r} takes its budget from the {entry.budget_from!r} run; "
                          "train that one, with config.flop_budget for a governed run")
+    reason = missing(entry.requires)
+    if reason is not None:
+        raise ValueError(f"{name!r} cannot run here: {reason}")
     out = Path(out) if out is not None else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
     if data is None:
         data = load_corpus(config.data, max_bytes=config.max_bytes)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from frugal_kernels import demo, peers
+from frugal_kernels.__main__ import main
 from frugal_kernels.data import load_corpus
 from frugal_kernels.model import LlamaForCausalLM
 from frugal_kernels.train import TrainConfig, lr_groups, step_memory, train
@@ -81,6 +82,12 @@ def test_a_missing_package_skips_its_row_with_one_notice(tmp_path, monkeypatch, 
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("skipping galore: galore-torch cannot be imported")
     assert 'pip install "frugal_kernels[peers]"' in err[0]
+
+    # The train command names the missing package in one line, exit status 2.
+    assert main(["train", "--optimizer", "galore", "--model", "tiny", "--steps", "2",
+                 "--max-bytes", str(MAX_BYTES), "--quiet", "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "'galore' cannot run here: galore-torch cannot be imported" in err[0]
 
 
 def _storage_nbytes(tensors):
