@@ -54,7 +54,9 @@ class DemoOptimizer:
     schedules such as AdaFRUGAL's rho). A run with ``budget_from`` is governed: its FLOP
     budget is what the run named there spent, and ``governor`` holds the keyword arguments of
     its :class:`~frugal_kernels.Governor`. ``requires`` names the (module, pip distribution)
-    an optional row needs; without it the row is skipped with a notice.
+    an optional row needs; without it the row is skipped with a notice. ``tuned_as`` names
+    the row whose tuned lrs this one takes (a governed run takes its budget source's), for a
+    row that runs the same optimizer another way.
     """
 
     label: str
@@ -63,6 +65,7 @@ class DemoOptimizer:
     budget_from: Optional[str] = None
     governor: dict[str, Any] = field(default_factory=dict)
     requires: Optional[tuple[str, str]] = None
+    tuned_as: Optional[str] = None
 
 
 def _adamw(model, config: TrainConfig) -> torch.optim.Optimizer:
@@ -134,9 +137,10 @@ def available(names: Sequence[str]) -> list[str]:
 
 
 def tuned_for(config: TrainConfig, name: str) -> Optional[dict[str, Any]]:
-    """What ``tuned.json`` records for the run ``name`` on ``config.model`` (a governed run
-    takes the tuning of the run its budget comes from); None if nothing is recorded."""
-    return tuned_lrs.lookup(config.model, OPTIMIZERS[name].budget_from or name)
+    """What ``tuned.json`` records for the run ``name`` on ``config.model`` (or for its
+    ``tuned_as``, else the run its budget comes from); None if nothing is recorded."""
+    entry = OPTIMIZERS[name]
+    return tuned_lrs.lookup(config.model, entry.tuned_as or entry.budget_from or name)
 
 
 def run_config(config: TrainConfig, name: str, tuned: bool = True) -> TrainConfig:

@@ -131,3 +131,19 @@ def test_verdict_splits_the_runs_by_the_seed_spread():
     assert "settings differ" in demo._verdict(metrics)
     metrics["runs"]["adamw"]["tuned"] = None
     assert demo._verdict(metrics) == ""
+
+
+def test_a_row_takes_the_tuning_it_names_or_its_budget_source(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    config = TrainConfig(model="tiny")
+    entry = {"lr": 4e-3, "matrix_lr_ratio": 0.5, "val_loss": 2.0, "spread": 0.1, "seeds": 2}
+    tuned.update(path, "tiny", {"config": dataclasses.asdict(config), "seeds": [0, 1]},
+                 {"frugal": entry, "adafrugal": {**entry, "lr": 6e-3}})
+    monkeypatch.setattr(tuned, "PATH", path)
+    monkeypatch.setitem(demo.OPTIMIZERS, "frugal-again", dataclasses.replace(
+        demo.OPTIMIZERS["frugal"], tuned_as="frugal"))
+    again = demo.run_config(config, "frugal-again")
+    assert (again.lr, again.matrix_lr_ratio) == (4e-3, 0.5)
+    assert demo.run_config(config, "adafrugal+governor").lr == 6e-3
+    assert demo.run_config(config, "adamw") == config  # not recorded: the config's lrs
+    assert demo.run_config(config, "frugal", tuned=False) == config
