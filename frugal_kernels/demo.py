@@ -100,9 +100,24 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
                                         budget_from="adafrugal"),
     "badam": DemoOptimizer(f"BAdam K={BADAM_SWITCH_EVERY}", "tab:green", _badam),
 }
+
+
+def _peer(spec: dict[str, Any]) -> DemoOptimizer:
+    """A row of :data:`~frugal_kernels.peers.PEERS`; a subspace method gets the demo's T."""
+    spec = dict(spec)
+    make = spec.pop("make")
+    if not spec.pop("subspace", False):
+        return DemoOptimizer(make=make, **spec)
+
+    def make_at_the_demos_gap(model, config: TrainConfig) -> torch.optim.Optimizer:
+        return make(model, config, update_gap=UPDATE_GAP)  # read when built, as FRUGAL's
+
+    return DemoOptimizer(make=make_at_the_demos_gap, **spec)
+
+
 # What users would pick instead (frugal_kernels.peers): rows skipped when their package is not
 # installed.
-OPTIMIZERS.update((name, DemoOptimizer(**spec)) for name, spec in PEERS.items())
+OPTIMIZERS.update((name, _peer(spec)) for name, spec in PEERS.items())
 
 # TrainConfig's defaults are the demo's (docs/demo.md); each optimizer's two learning rates
 # come from tuned.json, where a sweep recorded them for the model preset.

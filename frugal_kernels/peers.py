@@ -25,37 +25,29 @@ from frugal_kernels.train import TrainConfig, lr_groups
 __all__ = ["PEERS", "missing"]
 
 
-def _update_gap() -> int:
-    # The demo's T for FRUGAL, read when the optimizer is built: every subspace method of the
-    # demo changes its subspace at the same steps (the authors' 200 is for runs of 10k+ steps).
-    from frugal_kernels import demo
-
-    return demo.UPDATE_GAP
-
-
 def _rank(model: nn.Module) -> int:
     """A quarter of the hidden size: the state FRUGAL keeps at rho = 0.25 on a square matrix."""
     return max(1, model.config.hidden_size // 4)
 
 
-def _galore(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def _galore(model: nn.Module, config: TrainConfig, update_gap: int) -> torch.optim.Optimizer:
     from galore_torch import GaLoreAdamW
 
     # scale 1: GaLore's scale only multiplies the projected-back update, that is the matrices'
     # lr; the authors' lr 1e-2 with scale 0.25 is matrix_lr_ratio 0.25 here, with the
     # embeddings, norms and head at 1e-2 as in their recipe.
-    groups = lr_groups(model, config, rank=_rank(model), update_proj_gap=_update_gap(),
+    groups = lr_groups(model, config, rank=_rank(model), update_proj_gap=update_gap,
                        scale=1.0, proj_type="std")
     return GaLoreAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
                        no_deprecation_warning=True)
 
 
-def _apollo(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def _apollo(model: nn.Module, config: TrainConfig, update_gap: int) -> torch.optim.Optimizer:
     from apollo_torch import APOLLOAdamW
 
     # The authors' APOLLO recipe: random projection, channel-wise scaling, the norm-growth
     # limiter on, scale 1; the rank is GaLore's, so that the two hold the same moments.
-    groups = lr_groups(model, config, rank=_rank(model), update_proj_gap=_update_gap(),
+    groups = lr_groups(model, config, rank=_rank(model), update_proj_gap=update_gap,
                        scale=1.0, proj="random", proj_type="std", scale_type="channel")
     return APOLLOAdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
 
@@ -85,12 +77,15 @@ def _adamw8bit(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
 
 
 # The demo's rows (frugal_kernels.demo.OPTIMIZERS), as DemoOptimizer's keyword arguments;
-# ``requires`` is (module, pip distribution).
+# ``requires`` is (module, pip distribution). The factories of the ``subspace`` rows take the
+# steps between subspace changes too: the demo gives them its T for FRUGAL, so that every
+# subspace method changes its subspace at the same steps (the authors' 200 is for runs of
+# 10k+ steps).
 PEERS: dict[str, dict[str, Any]] = {
     "galore": dict(label="GaLore rank d/4", color="tab:purple", make=_galore,
-                   requires=("galore_torch", "galore-torch")),
+                   requires=("galore_torch", "galore-torch"), subspace=True),
     "apollo": dict(label="APOLLO rank d/4", color="tab:brown", make=_apollo,
-                   requires=("apollo_torch", "apollo-torch")),
+                   requires=("apollo_torch", "apollo-torch"), subspace=True),
     "adam-mini": dict(label="Adam-mini", color="tab:pink", make=_adam_mini,
                       requires=("adam_mini", "adam-mini")),
     "adamw8bit": dict(label="AdamW 8-bit (bnb)", color="tab:olive", make=_adamw8bit,

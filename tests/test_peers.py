@@ -42,8 +42,9 @@ def _stepped(name, corpus, steps=1):
 
 def test_every_peer_is_a_demo_row():
     for name, spec in peers.PEERS.items():
-        assert demo.OPTIMIZERS[name].make is spec["make"]
-        assert demo.OPTIMIZERS[name].requires == spec["requires"]
+        row = demo.OPTIMIZERS[name]
+        assert (row.label, row.requires) == (spec["label"], spec["requires"])
+        assert (row.make is spec["make"]) != spec.get("subspace", False)
 
 
 @pytest.mark.parametrize("name", list(peers.PEERS))
@@ -70,6 +71,14 @@ def test_low_rank_peers_project_the_matrices_at_rank_d_over_4(name, corpus):
     for g in opt.param_groups:
         if not g["projected"]:
             assert "rank" not in g
+
+
+@pytest.mark.parametrize("name", ["galore", "apollo"])
+def test_subspace_peers_change_their_subspace_at_the_demos_t(name, corpus, monkeypatch):
+    _needs(name)
+    monkeypatch.setattr(demo, "UPDATE_GAP", 7)
+    model, opt = _stepped(name, corpus)
+    assert [g["update_proj_gap"] for g in opt.param_groups if g["projected"]] == [7]
 
 
 def test_a_missing_package_skips_its_row_with_one_notice(tmp_path, monkeypatch, capsys):
