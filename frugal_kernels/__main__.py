@@ -101,7 +101,7 @@ def _device(name: str) -> str:
 def _train_config(args: argparse.Namespace, base):
     """``base`` with the options given on the command line; ``--steps`` alone scales the
     warmup and the evaluation interval with it."""
-    options = {field: getattr(args, field) for field in (
+    options = {field: getattr(args, field, None) for field in (
         "model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio", "warmup_steps",
         "schedule", "eval_every",
         "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes")}
@@ -129,11 +129,15 @@ def _demo(args: argparse.Namespace) -> int:
     from frugal_kernels import demo
 
     config = _train_config(args, demo.DEFAULTS)
-    names = demo.resolve(args.optimizers)
+    names = demo.available(demo.resolve(args.optimizers))
+    # --lr or --matrix-lr-ratio: every optimizer at the given lrs; else each at its tuned ones.
+    tuned = args.lr is None and args.matrix_lr_ratio is None
     print(f"frugal-kernels demo: the {config.model} model, {config.steps} steps of "
           f"{config.batch_size}x{config.seq_len} tokens, on {config.device}, with "
-          f"{', '.join(demo.OPTIMIZERS[n].label for n in names)}")
-    metrics = demo.run_demo(config, names, out=args.out, progress=_progress(args))
+          f"{', '.join(demo.OPTIMIZERS[n].label for n in names)}"
+          + (", each at its tuned lr (tuned.json)" if tuned else f", lr {config.lr:g} "
+             f"(matrices x{config.matrix_lr_ratio:g})"))
+    metrics = demo.run_demo(config, names, out=args.out, progress=_progress(args), tuned=tuned)
     print()
     print(demo.table(metrics))
     print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
@@ -147,6 +151,8 @@ def _train(args: argparse.Namespace) -> int:
     from frugal_kernels.train import TrainConfig, steps_for_budget
 
     config = _train_config(args, TrainConfig())
+    if args.lr is None and args.matrix_lr_ratio is None:  # the demo's tuned lrs, if any
+        config = demo.run_config(config, args.optimizer)
     data = load_corpus(config.data, max_bytes=config.max_bytes)
     if args.flop_budget is not None:
         governor = {k: v for k, v in (("window", args.governor_window),
@@ -163,8 +169,11 @@ def _train(args: argparse.Namespace) -> int:
           f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
           f"{config.device}"
           + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else ""))
-    metrics = demo.run_train(config, args.optimizer, data=data, out=args.out,
-                             progress=_progress(args), save_model=args.save_model)
+    try:
+        metrics = demo.run_train(config, args.optimizer, data=data, out=args.out,
+                                 progress=_progress(args), save_model=args.save_model)
+    except ValueError as exc:  # a peer whose package is missing
+        raise CommandLineError(str(exc)) from None
     run = metrics["runs"][args.optimizer]
     print()
     print(demo.table(metrics))
@@ -178,7 +187,30 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
+def _sweep(args: argparse.Namespace) -> int:
+    from frugal_kernels import demo, sweep
+
+    config = _train_config(args, demo.DEFAULTS)
+    print(f"frugal-kernels sweep: the {config.model} model, {config.steps} steps of "
+          f"{config.batch_size}x{config.seq_len} tokens, on {config.device}: "
+          f"{len(args.lrs)} lrs x {len(args.matrix_lr_ratios)} matrix lr ratios x "
+          f"{len(args.seeds)} seeds for each of {', '.join(args.optimizers)}")
+    try:
+        result = sweep.run_sweep(config, args.optimizers, args.lrs, args.matrix_lr_ratios,
+                                 args.seeds, out=args.out, progress=_progress(args),
+                                 tuned=args.write_tuned)
+    except ValueError as exc:  # a governed run named
+        raise CommandLineError(str(exc)) from None
+    print()
+    print(sweep.table(result))
+    print("wrote " + ", ".join(result["files"]))
+    return 0
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
+                            swept: bool = False) -> None:
+    """The options of a training run; ``swept`` leaves out those a sweep takes lists of
+    (--lr, --matrix-lr-ratio, --seed)."""
     from frugal_kernels.model import PRESETS
 
     add = parser.add_argument
@@ -189,12 +221,13 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
     add("--steps", type=_positive_int, help=f"optimizer steps (default: {defaults.steps})")
     add("--batch-size", type=_positive_int, help=f"sequences per step (default: {defaults.batch_size})")
     add("--seq-len", type=_number(int, "an integer >= 2", lambda v: v >= 2), help=f"bytes per sequence (default: {defaults.seq_len})")
-    add("--lr", type=_positive_float,
-        help=f"peak learning rate of the embeddings, norms and head, for every optimizer "
-             f"(default: {defaults.lr:g})")
-    add("--matrix-lr-ratio", type=_positive_float,
-        help=f"the projected matrices' lr over --lr, for every optimizer (default: "
-             f"{defaults.matrix_lr_ratio:g})")
+    if not swept:
+        add("--lr", type=_positive_float,
+            help=f"peak learning rate of the embeddings, norms and head, for every optimizer "
+                 f"(default: the demo's tuned lr of each optimizer, else {defaults.lr:g})")
+        add("--matrix-lr-ratio", type=_positive_float,
+            help=f"the projected matrices' lr over --lr, for every optimizer (default: the "
+                 f"demo's tuned ratio, else {defaults.matrix_lr_ratio:g})")
     add("--warmup-steps", type=_non_negative_int,
         help=f"linear warmup before the schedule (default: {defaults.warmup_steps}, "
              "scaled with --steps)")
@@ -212,8 +245,9 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults) -> None:
     add("--no-grad-clip", action="store_true", help="do not clip gradients")
     add("--weight-decay", type=_non_negative_float,
         help=f"decoupled weight decay (default: {defaults.weight_decay:g})")
-    add("--seed", type=int, help=f"seed of the initial weights and the batches (default: "
-                                 f"{defaults.seed})")
+    if not swept:
+        add("--seed", type=int, help=f"seed of the initial weights and the batches (default: "
+                                     f"{defaults.seed})")
     add("--device", default="auto", type=_device_name,
         help="cpu, cuda, cuda:N or auto (default: a GPU if any)")
     add("--data", type=_data_path, help="a text file or a folder of .txt/.md/.py files to train on (default: the "
@@ -237,13 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
     from frugal_kernels.train import TrainConfig
 
     demo_parser = sub.add_parser(
-        "demo", help="train one model with AdamW, FRUGAL and AdaFRUGAL and compare them",
+        "demo", help="train one model with AdamW, FRUGAL, AdaFRUGAL and their peers and "
+                     "compare them",
         description="Train the same model from the same initialisation on the same batches "
-                    "with each optimizer (by default AdamW, FRUGAL rho=0.25, AdaFRUGAL and "
-                    "AdaFRUGAL under the compute governor with the full run's FLOPs as budget), "
-                    "then print a table of validation loss, optimizer state, peak memory and "
-                    "step time, and write metrics.json and demo.png. The defaults take about "
-                    "4 minutes on a 2-core CPU.")
+                    "with each optimizer (by default AdamW, FRUGAL rho=0.25, AdaFRUGAL, "
+                    "AdaFRUGAL under the compute governor with the full run's FLOPs as budget, "
+                    "BAdam, and the peers whose package is installed: GaLore, APOLLO, "
+                    "Adam-mini, 8-bit AdamW), each at its learning rates from the package's "
+                    "tuned.json, then print a table of validation loss, held memory, optimizer "
+                    "state, peak memory and step time, and write metrics.json, table.md, "
+                    "table.csv and demo.png. The defaults take about 5 minutes on a 2-core CPU.")
     demo_parser.add_argument(
         "--optimizers", nargs="+", metavar="NAME", default=list(demo.OPTIMIZERS),
         choices=list(demo.OPTIMIZERS),
@@ -278,6 +315,34 @@ def build_parser() -> argparse.ArgumentParser:
                               help="also write the trained weights to model.pt")
     _add_training_arguments(train_parser, train_defaults)
     train_parser.set_defaults(func=_train)
+
+    sweep_parser = sub.add_parser(
+        "sweep", help="train the demo's runs over a grid of learning rates and seeds",
+        description="Train each optimizer at every lr, matrix lr ratio and seed with the "
+                    "demo's settings, then print and write (sweep.md, .csv, .json) the mean "
+                    "final validation loss of each setting, the best per optimizer and the "
+                    "seed-to-seed spread there. --write-tuned records the best settings in "
+                    "the tuned.json the demo reads.")
+    sweepable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
+    sweep_parser.add_argument("--optimizers", nargs="+", metavar="NAME", default=sweepable,
+                              choices=sweepable,
+                              help=f"from {', '.join(sweepable)} (default: all)")
+    sweep_parser.add_argument("--lrs", nargs="+", type=_positive_float, required=True,
+                              metavar="LR", help="learning rates of the embeddings, norms and "
+                                                 "head")
+    sweep_parser.add_argument("--matrix-lr-ratio", nargs="+", type=_positive_float,
+                              default=[1.0], metavar="R", dest="matrix_lr_ratios",
+                              help="the matrices' lr over the lr (default: 1)")
+    sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1], metavar="S",
+                              help="seeds of the initial weights and batches (default: 0 1)")
+    from frugal_kernels import tuned
+
+    sweep_parser.add_argument("--write-tuned", nargs="?", type=Path, const=tuned.PATH,
+                              metavar="PATH",
+                              help=f"record the best settings in PATH (default: the package's "
+                                   f"{tuned.PATH.name}, which the demo reads)")
+    _add_training_arguments(sweep_parser, demo.DEFAULTS, swept=True)
+    sweep_parser.set_defaults(func=_sweep)
 
     bench = sub.add_parser(
         "bench", help="time the fused ops and optimizer steps on this machine",

@@ -5,7 +5,9 @@ with the same learning-rate schedule; only the optimizer differs. The demo print
 (validation loss, optimizer state, peak memory, step time and the optimizer's share of it)
 and writes ``metrics.json`` (every per-step metric) and ``demo.png`` into its output folder.
 
-Adding an optimizer to the demo is one entry in :data:`OPTIMIZERS`.
+Adding an optimizer to the demo is one entry in :data:`OPTIMIZERS`. Each optimizer runs at
+the learning rates recorded for it and the model preset in ``tuned.json``
+(:mod:`frugal_kernels.tuned`, from ``frugal-kernels sweep``) unless ``tuned=False``.
 """
 
 from __future__ import annotations
@@ -22,24 +24,26 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from frugal_kernels import tuned as tuned_lrs
 from frugal_kernels.data import TokenDataset, load_corpus
 from frugal_kernels.model import LlamaForCausalLM
 from frugal_kernels.optim import FRUGAL, AdaFRUGAL, BAdam
+from frugal_kernels.peers import PEERS, missing
 from frugal_kernels.train import OptimizerFactory, RunResult, TrainConfig, lr_groups, train
 
-__all__ = ["DEFAULTS", "DemoOptimizer", "OPTIMIZERS", "collect_metrics", "plot", "resolve",
-           "run_demo", "run_train", "table", "write"]
+__all__ = ["DEFAULTS", "DemoOptimizer", "OPTIMIZERS", "available", "collect_metrics", "plot",
+           "resolve", "run_config", "run_demo", "run_train", "table", "write"]
 
-# The paper's T = 200 is for runs of tens of thousands of steps; T = 100 gives the demo's
-# 1200 steps a dozen subspaces, and AdaFRUGAL's rho as many steps down. (T = 200 measured
-# the same loss here, within noise: docs/demo.md.)
+# The paper's T = 200 is for runs of tens of thousands of steps. On short runs each subspace
+# change costs (the new state-full blocks restart their moments: at 300 x 16, T = 10 / 50 / 200
+# gave 1.907 / 1.878 / 1.832, docs/demo.md), so the demo's 200 steps get one change, at T = 100.
 UPDATE_GAP = 100
 
 # BAdam's blocks on the demo model ("small": 4 layers) are the embedding, the layers and the
-# head: 6 blocks. Switching every 50 steps gives the 1200 steps 24 switches, 4 passes over the
-# blocks, so every block trains several times; the published default (K = 100 on runs of
-# thousands of steps) would give 2 passes.
-BADAM_SWITCH_EVERY = 50
+# head: 6 blocks. Switching every 20 steps gives the 200 steps 10 switches, so every block
+# trains at least once; the published default (K = 100 on runs of thousands of steps) would
+# leave four of the six blocks untrained.
+BADAM_SWITCH_EVERY = 20
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,10 @@ class DemoOptimizer:
     ``make(model, config)`` returns the optimizer (``config.steps`` is the run length, for
     schedules such as AdaFRUGAL's rho). A run with ``budget_from`` is governed: its FLOP
     budget is what the run named there spent, and ``governor`` holds the keyword arguments of
-    its :class:`~frugal_kernels.Governor`.
+    its :class:`~frugal_kernels.Governor`. ``requires`` names the (module, pip distribution)
+    an optional row needs; without it the row is skipped with a notice. ``tuned_as`` names
+    the row whose tuned lrs this one takes (a governed run takes its budget source's), for a
+    row that runs the same optimizer another way.
     """
 
     label: str
@@ -57,6 +64,8 @@ class DemoOptimizer:
     make: OptimizerFactory
     budget_from: Optional[str] = None
     governor: dict[str, Any] = field(default_factory=dict)
+    requires: Optional[tuple[str, str]] = None
+    tuned_as: Optional[str] = None
 
 
 def _adamw(model, config: TrainConfig) -> torch.optim.Optimizer:
@@ -96,12 +105,31 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
     "adafrugal+governor": DemoOptimizer("AdaFRUGAL+governor", "tab:red", _adafrugal,
                                         budget_from="adafrugal"),
     "badam": DemoOptimizer(f"BAdam K={BADAM_SWITCH_EVERY}", "tab:green", _badam),
+    # Not swept: it takes BAdam's tuned lr.
     "badam+frugal": DemoOptimizer(f"BAdam+FRUGAL K={BADAM_SWITCH_EVERY} rho=0.25", "tab:olive",
-                                  _badam_frugal),
+                                  _badam_frugal, tuned_as="badam"),
 }
 
-# TrainConfig's defaults are the demo's (docs/demo.md): among them lr 1e-3, AdamW's best in
-# a sweep, which every optimizer uses.
+
+def _peer(spec: dict[str, Any]) -> DemoOptimizer:
+    """A row of :data:`~frugal_kernels.peers.PEERS`; a subspace method gets the demo's T."""
+    spec = dict(spec)
+    make = spec.pop("make")
+    if not spec.pop("subspace", False):
+        return DemoOptimizer(make=make, **spec)
+
+    def make_at_the_demos_gap(model, config: TrainConfig) -> torch.optim.Optimizer:
+        return make(model, config, update_gap=UPDATE_GAP)  # read when built, as FRUGAL's
+
+    return DemoOptimizer(make=make_at_the_demos_gap, **spec)
+
+
+# What users would pick instead (frugal_kernels.peers): rows skipped when their package is not
+# installed.
+OPTIMIZERS.update((name, _peer(spec)) for name, spec in PEERS.items())
+
+# TrainConfig's defaults are the demo's (docs/demo.md); each optimizer's two learning rates
+# come from tuned.json, where a sweep recorded them for the model preset.
 DEFAULTS = TrainConfig()
 
 
@@ -119,14 +147,46 @@ def resolve(names: Sequence[str]) -> list[str]:
     return ordered
 
 
+def available(names: Sequence[str]) -> list[str]:
+    """``names`` without the rows whose package is missing, each skipped with a one-line
+    notice on stderr."""
+    kept = []
+    for name in names:
+        reason = missing(OPTIMIZERS[name].requires)
+        if reason is None:
+            kept.append(name)
+        else:
+            print(f"skipping {name}: {reason}", file=sys.stderr)
+    return kept
+
+
+def tuned_for(config: TrainConfig, name: str) -> Optional[dict[str, Any]]:
+    """What ``tuned.json`` records for the run ``name`` on ``config.model`` (or for its
+    ``tuned_as``, else the run its budget comes from); None if nothing is recorded."""
+    entry = OPTIMIZERS[name]
+    return tuned_lrs.lookup(config.model, entry.tuned_as or entry.budget_from or name)
+
+
+def run_config(config: TrainConfig, name: str, tuned: bool = True) -> TrainConfig:
+    """``config`` for the run ``name``: with ``tuned``, its lr and matrix lr ratio are the
+    recorded best for ``config.model`` where one is recorded."""
+    best = tuned_for(config, name) if tuned else None
+    if best is None:
+        return config
+    return dataclasses.replace(config, lr=best["lr"], matrix_lr_ratio=best["matrix_lr_ratio"])
+
+
 def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = tuple(OPTIMIZERS),
-             out: Optional[Path] = None, progress: bool | str = True) -> dict[str, Any]:
-    """Train one copy of the same initial model per optimizer in ``names``; write
-    ``metrics.json`` and ``demo.png`` into ``out`` (default ``runs/demo-<time>``).
+             out: Optional[Path] = None, progress: bool | str = True,
+             tuned: bool = True) -> dict[str, Any]:
+    """Train one copy of the same initial model per optimizer in ``names`` (those whose
+    package is installed); write ``metrics.json`` and ``demo.png`` into ``out`` (default
+    ``runs/demo-<time>``). With ``tuned``, each optimizer runs at its recorded learning rates
+    (:func:`run_config`), else all at ``config.lr`` and ``config.matrix_lr_ratio``.
 
     Returns the metrics (what ``metrics.json`` holds) with ``"out"`` and ``"files"`` added.
     """
-    names = resolve(names)
+    names = available(resolve(names))
     out = Path(out) if out is not None else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     data = load_corpus(config.data, max_bytes=config.max_bytes)
     initial = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
@@ -134,13 +194,15 @@ def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = tuple(OPTIMI
     results: dict[str, RunResult] = {}
     for name in names:
         entry = OPTIMIZERS[name]
-        run_config = config
+        named_config = run_config(config, name, tuned)
         if entry.budget_from is not None:
-            run_config = dataclasses.replace(config, flop_budget=results[entry.budget_from].flops,
-                                             governor=dict(entry.governor))
-        results[name] = train(run_config, entry.make, model=copy.deepcopy(initial), data=data,
+            named_config = dataclasses.replace(named_config,
+                                               flop_budget=results[entry.budget_from].flops,
+                                               governor=dict(entry.governor))
+        results[name] = train(named_config, entry.make, model=copy.deepcopy(initial), data=data,
                               name=entry.label, progress=progress)
-    metrics = collect_metrics(config, data, results, time.perf_counter() - started)
+    spreads = {name: tuned_for(config, name) for name in names} if tuned else {}
+    metrics = collect_metrics(config, data, results, time.perf_counter() - started, spreads)
     return {**metrics, "out": str(out), "files": write(metrics, out, "demo")}
 
 
@@ -159,6 +221,9 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
     if entry.budget_from is not None:
         raise ValueError(f"{name!r} takes its budget from the {entry.budget_from!r} run; "
                          "train that one, with config.flop_budget for a governed run")
+    reason = missing(entry.requires)
+    if reason is not None:
+        raise ValueError(f"{name!r} cannot run here: {reason}")
     out = Path(out) if out is not None else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
     if data is None:
         data = load_corpus(config.data, max_bytes=config.max_bytes)
@@ -175,15 +240,19 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
 
 
 def collect_metrics(config: TrainConfig, data: TokenDataset, results: dict[str, RunResult],
-                    wall_time: float) -> dict[str, Any]:
-    """What ``metrics.json`` holds: the machine, the data, the settings and every run."""
+                    wall_time: float,
+                    tuned: Optional[dict[str, Optional[dict[str, Any]]]] = None) -> dict[str, Any]:
+    """What ``metrics.json`` holds: the machine, the data, the settings and every run;
+    ``tuned`` (per run) the tuned.json record its learning rates came from."""
     from frugal_kernels.bench.fingerprint import fingerprint
 
+    tuned = tuned or {}
     runs = {}
     for name, result in results.items():
         entry = OPTIMIZERS[name]
         runs[name] = {"label": entry.label, "color": entry.color,
-                      "budget_from": entry.budget_from, **result.to_dict()}
+                      "budget_from": entry.budget_from, "tuned": tuned.get(name),
+                      **result.to_dict()}
     return {
         "command": " ".join(sys.argv),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -231,14 +300,17 @@ def _rows(metrics: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     first = next(iter(runs.values()))
     compare = len(runs) > 1
     header = ["optimizer", "steps", "val loss", *([f"vs {first['label']}"] if compare else []),
-              "held MB", "state MB", "peak MB", "ms/step", "optimizer share", "FLOPs"]
+              "lr (matrices)", "held MB", "state MB", "peak MB", "ms/step", "optimizer share",
+              "FLOPs"]
     rows = []
     for run in runs.values():
         s = run["summary"]
         change = s["final_val_loss"] / first["summary"]["final_val_loss"] - 1
+        lr = run["config"]["lr"]
         rows.append([
             run["label"], str(s["steps"]), f"{s['final_val_loss']:.4f}",
             *([f"{change:+.2%}"] if compare else []),
+            f"{lr:.3g} ({lr * run['config']['matrix_lr_ratio']:.3g})",
             f"{_mb(s['held_bytes']):.2f}", f"{_mb(s['state_bytes']):.2f}",
             f"{_mb(s['peak_memory']):.0f}",
             f"{s['step_time'] * 1e3:.0f}", f"{s['optimizer_share']:.1%}", f"{s['flops']:.3g}",
@@ -262,7 +334,11 @@ def table(metrics: dict[str, Any]) -> str:
                  f"(the most over the run, each storage counted once); state MB: the "
                  f"optimizer's state tensors at the end; peak MB: "
                  f"{_PEAK_MEANING.get(kind, kind)}; ms/step and optimizer share: from the "
-                 f"median step and optimizer-step times.")
+                 f"median step and optimizer-step times; lr: of the embeddings, norms and "
+                 f"head (of the matrices).")
+    verdict = _verdict(metrics)
+    if verdict:
+        lines.append("\n" + verdict)
     for run in runs.values():
         source = run["budget_from"]
         if source is None or source not in runs:
@@ -273,6 +349,35 @@ def table(metrics: dict[str, Any]) -> str:
             f"of its budget (the FLOPs of the full {runs[source]['label']} run), for a "
             f"validation loss {s['final_val_loss'] / full['final_val_loss'] - 1:+.2%} against it.")
     return "\n".join(lines)
+
+
+def _verdict(metrics: dict[str, Any]) -> str:
+    """Which runs differ from the first by less than the seed-to-seed spread the sweep behind
+    tuned.json measured (its seeds' range at each one's best setting; of two runs, the larger
+    spread counts). Empty unless the first run and another carry a spread."""
+    runs = list(metrics["runs"].values())
+    first = runs[0]
+    if first.get("tuned") is None:
+        return ""
+    base = first["summary"]["final_val_loss"]
+    within, beyond = [], []
+    for run in runs[1:]:
+        if run.get("tuned") is None or run["budget_from"] is not None:
+            continue
+        difference = run["summary"]["final_val_loss"] - base
+        spread = max(run["tuned"]["spread"], first["tuned"]["spread"])
+        text = f"{run['label']} ({difference / base:+.2%}, spread {spread / base:.2%})"
+        (within if abs(difference) <= spread else beyond).append(text)
+    if not within and not beyond:
+        return ""
+    settings = first["tuned"]["settings"]
+    lines = [f"Against {first['label']}, within the seed-to-seed spread (the range over "
+             f"{len(settings['seeds'])} seeds in the sweep behind tuned.json): "
+             f"{', '.join(within) or 'none'}; beyond it: {', '.join(beyond) or 'none'}."]
+    if not tuned_lrs.comparable(settings["config"], metrics["config"]):
+        lines.append("(This run's settings differ from the sweep's, so the spread is only a "
+                     "guide.)")
+    return " ".join(lines)
 
 
 def plot(metrics: dict[str, Any], path: Path) -> Optional[Path]:
@@ -337,5 +442,9 @@ def _title(metrics: dict[str, Any]) -> str:
     c = metrics["config"]
     fp = metrics["fingerprint"]
     where = fp.get("gpu") or f"{fp['cpu']}, {fp['threads']} threads"
+    lrs = {(run["config"]["lr"], run["config"]["matrix_lr_ratio"])
+           for run in metrics["runs"].values()}
+    lr = (f"lr {c['lr']:g} (matrices x{c['matrix_lr_ratio']:g})" if len(lrs) == 1
+          else "lr tuned per optimizer")
     return (f"{c['model']} model, {c['steps']} steps of {c['batch_size']}x{c['seq_len']} bytes, "
-            f"lr {c['lr']:g}; {where}")
+            f"{lr}; {where}")

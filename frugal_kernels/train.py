@@ -63,25 +63,25 @@ class TrainConfig:
     ``flop_budget`` puts the run under a :class:`~frugal_kernels.Governor` built with
     ``governor`` (its keyword arguments).
 
-    The defaults are those of ``frugal-kernels demo``, chosen by measurement on a 2-core CPU
-    (docs/demo.md): about a minute per run, and at a fixed compute, 1200 steps of 4 sequences
-    reached a lower loss than 300 of 16, for AdamW and FRUGAL alike.
+    The defaults are those of ``frugal-kernels demo`` (docs/demo.md): batches of 16
+    sequences, and a run short enough for the whole demo, nine optimizers, to take about
+    five minutes on a 2-core CPU.
     """
 
     model: str = "small"
-    steps: int = 1200
-    batch_size: int = 4
-    seq_len: int = 128
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 64
     lr: float = 1e-3
     matrix_lr_ratio: float = 1.0
     weight_decay: float = 0.0
-    warmup_steps: int = 120
+    warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     schedule: str = "wsd"
     cooldown_fraction: float = 0.2
     grad_clip: Optional[float] = 1.0
-    eval_every: int = 80
-    eval_batches: int = 32
+    eval_every: int = 25
+    eval_batches: int = 16
     seed: int = 0
     device: str = "cpu"
     data: Optional[str] = None

@@ -40,6 +40,7 @@ def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "UPDATE_GAP", 4)
     config = dataclasses.replace(TINY, steps=10, eval_every=3)
     metrics = demo.run_demo(config, list(demo.OPTIMIZERS), out=tmp_path / "run", progress=False)
+    installed = demo.available(list(demo.OPTIMIZERS))  # the peers' rows need their packages
 
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert (tmp_path / "run" / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -50,9 +51,9 @@ def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
     import csv
     with open(tmp_path / "run" / "table.csv", newline="") as f:
         table_rows = list(csv.reader(f))
-    assert table_rows[0][:3] == ["optimizer", "steps", "val loss"] and len(table_rows) == 1 + len(demo.OPTIMIZERS)
+    assert table_rows[0][:3] == ["optimizer", "steps", "val loss"] and len(table_rows) == 1 + len(installed)
     runs = saved["runs"]
-    assert list(runs) == list(demo.OPTIMIZERS)
+    assert list(runs) == installed
     first_losses = {run["steps"][0]["train_loss"] for run in runs.values()}
     assert len(first_losses) == 1, "every run starts from the same weights on the same batch"
     for name in ("adamw", "frugal", "adafrugal"):
@@ -197,7 +198,7 @@ def test_optimizer_accounting_follows_the_state():
     assert optimizer_state_bytes(opt) == opt.state_bytes()
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["train"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["train"], ["sweep"], ["bench"]])
 def test_help_of_every_command(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
@@ -223,6 +224,10 @@ BAD_ARGUMENTS = [
     (["bench", "--preset", "7b"], "--preset"),
     (["train", "--warmup-steps", "50", "--steps", "10"], "warmup_steps"),
     (["nosuch"], "invalid choice"),
+    (["sweep"], "--lrs"),
+    (["sweep", "--lrs", "0"], "--lrs"),
+    (["sweep", "--lrs", "1e-3", "--optimizers", "adafrugal+governor"], "--optimizers"),
+    (["sweep", "--lrs", "1e-3", "--matrix-lr-ratio", "-1"], "--matrix-lr-ratio"),
 ]
 if not torch.cuda.is_available():
     BAD_ARGUMENTS.append((["demo", "--device", "cuda"], "CUDA is not available"))
@@ -255,11 +260,12 @@ def test_run_train_writes_one_run_and_refuses_a_governed_entry(tmp_path, corpus)
 
 
 def test_with_steps_keeps_the_schedule_in_proportion_unless_given():
-    short = TrainConfig().with_steps(60)
+    long = TrainConfig(steps=1200, warmup_steps=120, eval_every=80)
+    short = long.with_steps(60)
     assert (short.steps, short.warmup_steps, short.eval_every) == (60, 6, 4)
-    given = TrainConfig().with_steps(60, warmup_steps=1, eval_every=7)
+    given = long.with_steps(60, warmup_steps=1, eval_every=7)
     assert (given.warmup_steps, given.eval_every) == (1, 7)
-    assert TrainConfig().with_steps(5).eval_every == 1
+    assert long.with_steps(5).eval_every == 1
 
 
 def _nbytes(tensors):

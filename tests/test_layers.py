@@ -37,9 +37,12 @@ LAYERS = {
     "frugal_kernels._build_info": 4,  # what was built and which backends run: above ops
     "frugal_kernels": 5,  # the package's own __init__: the public names
     "frugal_kernels.train": 5,
+    "frugal_kernels.tuned": 5,  # the demo's tuned lrs (a JSON file): imports nothing of ours
     "frugal_kernels.bench": 6,
+    "frugal_kernels.peers": 6,  # the demo's optional rows, on train's lr split
     "frugal_kernels.demo": 7,
-    "frugal_kernels.__main__": 8,
+    "frugal_kernels.sweep": 8,  # the demo's runs over a grid
+    "frugal_kernels.__main__": 9,
 }
 
 

@@ -1,0 +1,153 @@
+"""``frugal-kernels sweep``: the demo's training over a grid of learning rates and seeds.
+
+Every setting is the demo's run (:func:`frugal_kernels.train.train` with the optimizer of
+:data:`frugal_kernels.demo.OPTIMIZERS`), from the seed's initialisation and batches. The sweep
+writes ``sweep.json`` (every run, the best setting per optimizer), ``sweep.md`` and
+``sweep.csv``; with ``tuned`` it records the best settings in a ``tuned.json``
+(:mod:`frugal_kernels.tuned`), the file the demo reads its learning rates from.
+
+The best setting of an optimizer is the one with the lowest mean final validation loss over
+the seeds; its ``spread`` is the seeds' range (max - min) there.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from frugal_kernels import demo
+from frugal_kernels import tuned as tuned_lrs
+from frugal_kernels.data import load_corpus
+from frugal_kernels.train import TrainConfig, train
+
+__all__ = ["best_settings", "run_sweep", "table"]
+
+
+def run_sweep(config: TrainConfig, names: Sequence[str], lrs: Sequence[float],
+              ratios: Sequence[float], seeds: Sequence[int], out: Optional[Path] = None,
+              progress: bool | str = False, tuned: Optional[Path] = None) -> dict[str, Any]:
+    """Train ``config`` once per optimizer in ``names`` (those installed), lr in ``lrs``,
+    matrix lr ratio in ``ratios`` and seed in ``seeds``; write the results into ``out``
+    (default ``runs/sweep-<time>``) and, with ``tuned``, record the best settings there.
+
+    Returns what ``sweep.json`` holds, with ``"out"`` and ``"files"`` added.
+    """
+    for name in names:
+        if name not in demo.OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {name!r}; choose from "
+                             f"{', '.join(demo.OPTIMIZERS)}")
+        if demo.OPTIMIZERS[name].budget_from is not None:
+            raise ValueError(f"{name!r} is a governed run; sweep "
+                             f"{demo.OPTIMIZERS[name].budget_from!r}, whose tuning it takes")
+    names = demo.available(names)
+    out = Path(out) if out is not None else Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S")
+    data = load_corpus(config.data, max_bytes=config.max_bytes)
+    started = time.perf_counter()
+    runs = []
+    for name in names:
+        entry = demo.OPTIMIZERS[name]
+        for ratio in ratios:
+            for lr in lrs:
+                for seed in seeds:
+                    run_config = dataclasses.replace(config, lr=lr, matrix_lr_ratio=ratio,
+                                                     seed=seed)
+                    result = train(run_config, entry.make, data=data,
+                                   name=f"{name} lr {lr:g} x{ratio:g} seed {seed}",
+                                   progress=progress)
+                    runs.append({"optimizer": name, "label": entry.label, "lr": lr,
+                                 "matrix_lr_ratio": ratio, "seed": seed,
+                                 **result.summary()})
+    from frugal_kernels.bench.fingerprint import fingerprint
+
+    settings = {"config": dataclasses.asdict(config), "lrs": list(lrs),
+                "matrix_lr_ratios": list(ratios), "seeds": list(seeds),
+                "command": " ".join(sys.argv)}
+    metrics = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "wall_time": time.perf_counter() - started,
+               "fingerprint": fingerprint(torch.device(config.device)),
+               "settings": settings, "runs": runs, "best": best_settings(runs)}
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "sweep.json", out / "sweep.md", out / "sweep.csv"]
+    files[0].write_text(json.dumps(metrics, indent=1))
+    files[1].write_text(table(metrics) + "\n")
+    columns = ["optimizer", "lr", "matrix_lr_ratio", "seed", "final_val_loss", "held_bytes",
+               "state_bytes", "step_time", "wall_time"]
+    with open(files[2], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        writer.writerows([run[c] for c in columns] for run in runs)
+    if tuned is not None:
+        tuned_lrs.update(tuned, config.model, settings, metrics["best"])
+        files.append(Path(tuned))
+    return {**metrics, "out": str(out), "files": [str(f) for f in files]}
+
+
+def _cells(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, float, float], list[float]]:
+    """Final validation losses per (optimizer, lr, ratio), one per seed, in run order."""
+    cells: dict[tuple[str, float, float], list[float]] = {}
+    for run in runs:
+        key = (run["optimizer"], run["lr"], run["matrix_lr_ratio"])
+        cells.setdefault(key, []).append(run["final_val_loss"])
+    return cells
+
+
+def best_settings(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per optimizer, the (lr, ratio) of lowest mean loss over the seeds, with that mean, the
+    seeds' range there (``spread``) and the number of seeds. Settings that diverged (a
+    non-finite loss on any seed) are never best; an optimizer with no finite setting is left
+    out."""
+    best: dict[str, dict[str, Any]] = {}
+    for (name, lr, ratio), losses in _cells(runs).items():
+        if not all(math.isfinite(v) for v in losses):
+            continue
+        mean = statistics.fmean(losses)
+        if name not in best or mean < best[name]["val_loss"]:
+            best[name] = {"lr": lr, "matrix_lr_ratio": ratio, "val_loss": mean,
+                          "spread": max(losses) - min(losses), "seeds": len(losses)}
+    return best
+
+
+def table(metrics: dict[str, Any]) -> str:
+    """The sweep as markdown: per optimizer, the mean loss of every setting (the seeds' range
+    in parentheses), its best setting and the spread there."""
+    settings = metrics["settings"]
+    cells = _cells(metrics["runs"])
+    grid = [(lr, ratio) for ratio in settings["matrix_lr_ratios"] for lr in settings["lrs"]]
+    header = ["optimizer", *(f"lr {lr:g} (x{ratio:g})" for lr, ratio in grid), "best lr (matrices)",
+              "seed spread"]
+    labels = {run["optimizer"]: run["label"] for run in metrics["runs"]}
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, label in labels.items():
+        row = [label]
+        for lr, ratio in grid:
+            losses = cells.get((name, lr, ratio))
+            if losses is None:
+                row.append("–")
+                continue
+            text = f"{statistics.fmean(losses):.4f} ({max(losses) - min(losses):.4f})"
+            chosen = metrics["best"].get(name)
+            if chosen and (chosen["lr"], chosen["matrix_lr_ratio"]) == (lr, ratio):
+                text = f"**{text}**"
+            row.append(text)
+        chosen = metrics["best"].get(name)
+        if chosen is None:
+            row += ["diverged", "–"]
+        else:
+            row += [f"{chosen['lr']:g} ({chosen['lr'] * chosen['matrix_lr_ratio']:.3g})",
+                    f"{chosen['spread']:.4f} ({chosen['spread'] / chosen['val_loss']:.2%})"]
+        lines.append("| " + " | ".join(row) + " |")
+    c = settings["config"]
+    lines.append(f"\nMean final validation loss over seeds {', '.join(map(str, settings['seeds']))} "
+                 f"(their range in parentheses); {c['model']} model, {c['steps']} steps of "
+                 f"{c['batch_size']}x{c['seq_len']} bytes, {c['schedule']} schedule; "
+                 f"{metrics['wall_time']:.0f} s in all.")
+    return "\n".join(lines)

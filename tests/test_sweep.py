@@ -1,0 +1,149 @@
+"""frugal-kernels sweep, the tuned.json it writes, and the demo that reads it."""
+
+import csv
+import dataclasses
+import json
+
+import pytest
+
+from frugal_kernels import demo, sweep, tuned
+from frugal_kernels.__main__ import main
+from frugal_kernels.train import TrainConfig
+
+MAX_BYTES = 200_000
+TINY_ARGS = ["--model", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
+             "--eval-every", "2", "--eval-batches", "1", "--max-bytes", str(MAX_BYTES),
+             "--device", "cpu", "--quiet"]
+
+
+def _record(name, lr, seed, loss, ratio=0.5):
+    return {"optimizer": name, "label": name.upper(), "lr": lr, "matrix_lr_ratio": ratio,
+            "seed": seed, "final_val_loss": loss}
+
+
+def test_best_setting_is_the_lowest_mean_over_seeds_and_skips_divergence():
+    runs = [_record("a", 1e-3, 0, 2.0), _record("a", 1e-3, 1, 2.2),   # mean 2.1
+            _record("a", 3e-3, 0, 1.9), _record("a", 3e-3, 1, 2.4),   # mean 2.15
+            _record("a", 1e-2, 0, 1.0), _record("a", 1e-2, 1, float("nan")),
+            _record("b", 1e-2, 0, float("inf")), _record("b", 1e-2, 1, 3.0)]
+    best = sweep.best_settings(runs)
+    assert list(best) == ["a"]
+    assert best["a"]["lr"] == 1e-3 and best["a"]["matrix_lr_ratio"] == 0.5
+    assert best["a"]["val_loss"] == pytest.approx(2.1)
+    assert best["a"]["spread"] == pytest.approx(0.2) and best["a"]["seeds"] == 2
+
+
+def test_sweep_command_writes_tables_and_tuned_lrs_the_demo_reads(tmp_path, monkeypatch,
+                                                                   capsys):
+    path = tmp_path / "tuned.json"
+    assert main(["sweep", "--optimizers", "adamw", "frugal", "--lrs", "1e-3", "1e-2",
+                 "--matrix-lr-ratio", "0.5", "--seeds", "0", "1", "--out", str(tmp_path / "s"),
+                 "--write-tuned", str(path), *TINY_ARGS]) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert len(saved["runs"]) == 2 * 2 * 2
+    assert (tmp_path / "s" / "sweep.md").read_text() == sweep.table(saved) + "\n"
+    assert sweep.table(saved) in printed
+    with open(tmp_path / "s" / "sweep.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:5] == ["optimizer", "lr", "matrix_lr_ratio", "seed", "final_val_loss"]
+    assert len(rows) == 1 + 8
+    for name in ("adamw", "frugal"):
+        losses = {(r["lr"], r["seed"]): r["final_val_loss"] for r in saved["runs"]
+                  if r["optimizer"] == name}
+        best = saved["best"][name]
+        mean = {lr: (losses[lr, 0] + losses[lr, 1]) / 2 for lr in (1e-3, 1e-2)}
+        assert best["lr"] == min(mean, key=mean.get)
+        assert best["spread"] == pytest.approx(abs(losses[best["lr"], 0] - losses[best["lr"], 1]))
+
+    recorded = tuned.load(path)["presets"]["tiny"]
+    assert recorded["optimizers"] == saved["best"]
+    assert recorded["settings"]["seeds"] == [0, 1]
+    assert recorded["settings"]["config"]["steps"] == 4
+
+    # The demo reads the recorded lrs per optimizer; --lr overrides them for every one.
+    monkeypatch.setattr(tuned, "PATH", path)
+    out = tmp_path / "d"
+    assert main(["demo", "--optimizers", "adamw", "frugal", "badam", "--out", str(out),
+                 *TINY_ARGS]) == 0
+    runs = json.loads((out / "metrics.json").read_text())["runs"]
+    for name in ("adamw", "frugal"):
+        assert runs[name]["config"]["lr"] == saved["best"][name]["lr"]
+        assert runs[name]["config"]["matrix_lr_ratio"] == 0.5
+        assert runs[name]["tuned"]["spread"] == saved["best"][name]["spread"]
+    assert runs["badam"]["tuned"] is None  # not swept: the config's lr
+    assert runs["badam"]["config"]["lr"] == demo.DEFAULTS.lr
+    printed = capsys.readouterr().out
+    assert "within the seed-to-seed spread" in printed and "FRUGAL rho=0.25 (" in printed
+    assert "settings differ" not in printed
+
+    assert main(["demo", "--optimizers", "adamw", "frugal", "--lr", "2e-3",
+                 "--out", str(out), *TINY_ARGS]) == 0
+    runs = json.loads((out / "metrics.json").read_text())["runs"]
+    assert {run["config"]["lr"] for run in runs.values()} == {2e-3}
+    assert {run["config"]["matrix_lr_ratio"] for run in runs.values()} == {1.0}
+    assert "within the seed-to-seed spread" not in capsys.readouterr().out
+
+
+def test_sweep_refuses_a_governed_run(tmp_path):
+    with pytest.raises(ValueError, match="governed run; sweep 'adafrugal'"):
+        sweep.run_sweep(TrainConfig(model="tiny"), ["adafrugal+governor"], [1e-3], [1.0], [0],
+                        out=tmp_path)
+
+
+def test_tuned_update_merges_same_settings_and_replaces_others(tmp_path):
+    path = tmp_path / "tuned.json"
+    config = dataclasses.asdict(TrainConfig(model="tiny"))
+    entry = {"lr": 1e-3, "matrix_lr_ratio": 1.0, "val_loss": 2.0, "spread": 0.1, "seeds": 2}
+    tuned.update(path, "tiny", {"config": config, "seeds": [0, 1]}, {"a": entry})
+    tuned.update(path, "tiny", {"config": {**config, "lr": 5.0}, "seeds": [0, 1]},
+                 {"b": entry})
+    assert set(tuned.load(path)["presets"]["tiny"]["optimizers"]) == {"a", "b"}
+    assert tuned.lookup("tiny", "a", path)["settings"]["config"]["lr"] == 5.0
+    assert tuned.lookup("small", "a", path) is None and tuned.lookup("tiny", "c", path) is None
+    tuned.update(path, "tiny", {"config": {**config, "steps": 99}, "seeds": [0]}, {"b": entry})
+    assert set(tuned.load(path)["presets"]["tiny"]["optimizers"]) == {"b"}
+    assert tuned.load(tmp_path / "none.json") == {"presets": {}}
+
+
+def _run(label, loss, spread, budget_from=None):
+    return {"label": label, "budget_from": budget_from, "summary": {"final_val_loss": loss},
+            "tuned": None if spread is None else {"spread": spread, "settings": SETTINGS}}
+
+
+SETTINGS = {"config": dataclasses.asdict(TrainConfig()), "seeds": [0, 1]}
+
+
+def test_verdict_splits_the_runs_by_the_seed_spread():
+    metrics = {"config": dataclasses.asdict(TrainConfig()), "runs": {
+        "adamw": _run("AdamW", 2.00, 0.02),
+        "near": _run("Near", 2.03, 0.03),      # 0.03 <= max(0.03, 0.02): within
+        "far": _run("Far", 1.90, 0.01),        # 0.10 > 0.02: beyond
+        "governed": _run("Gov", 3.0, 0.01, budget_from="far"),
+        "untuned": _run("Untuned", 1.0, None)}}
+    text = demo._verdict(metrics)
+    assert "within the seed-to-seed spread (the range over 2 seeds" in text
+    within, beyond = text.split("beyond it:")
+    assert "Near (+1.50%, spread 1.50%)" in within and "Far" not in within
+    assert "Far (-5.00%, spread 1.00%)" in beyond
+    assert "Gov" not in text and "Untuned" not in text and "settings differ" not in text
+    metrics["config"] = {**metrics["config"], "steps": 7}
+    assert "settings differ" in demo._verdict(metrics)
+    metrics["runs"]["adamw"]["tuned"] = None
+    assert demo._verdict(metrics) == ""
+
+
+def test_a_row_takes_the_tuning_it_names_or_its_budget_source(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    config = TrainConfig(model="tiny")
+    entry = {"lr": 4e-3, "matrix_lr_ratio": 0.5, "val_loss": 2.0, "spread": 0.1, "seeds": 2}
+    tuned.update(path, "tiny", {"config": dataclasses.asdict(config), "seeds": [0, 1]},
+                 {"frugal": entry, "adafrugal": {**entry, "lr": 6e-3}})
+    monkeypatch.setattr(tuned, "PATH", path)
+    monkeypatch.setitem(demo.OPTIMIZERS, "frugal-again", dataclasses.replace(
+        demo.OPTIMIZERS["frugal"], tuned_as="frugal"))
+    again = demo.run_config(config, "frugal-again")
+    assert (again.lr, again.matrix_lr_ratio) == (4e-3, 0.5)
+    assert demo.run_config(config, "adafrugal+governor").lr == 6e-3
+    assert demo.run_config(config, "adamw") == config  # not recorded: the config's lrs
+    assert demo.run_config(config, "frugal", tuned=False) == config
