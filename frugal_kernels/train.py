@@ -33,7 +33,7 @@ from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.data import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
-from frugal_kernels.optim.memory import release_freed_memory
+from frugal_kernels.optim.memory import release_freed_memory, storage_bytes
 
 __all__ = [
     "OptimizerFactory",
@@ -178,20 +178,11 @@ def _state_tensors(opt: Optimizer):
                 yield from (v for v in vars(value).values() if isinstance(v, torch.Tensor))
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors``: views and aliases count once."""
-    storages = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        storages[(t.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
-
-
 def optimizer_state_bytes(opt: Optimizer) -> int:
     """Bytes of the optimizer's state tensors now: ``opt.state_bytes()`` where it exists."""
     if callable(getattr(opt, "state_bytes", None)):
         return int(opt.state_bytes())
-    return _storage_bytes(_state_tensors(opt))
+    return storage_bytes(_state_tensors(opt))
 
 
 def step_memory(model: nn.Module, opt: Optimizer) -> dict[str, int]:
@@ -201,9 +192,9 @@ def step_memory(model: nn.Module, opt: Optimizer) -> dict[str, int]:
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params if p.grad is not None]
     state = list(_state_tensors(opt))
-    return {"weight_bytes": _storage_bytes(params), "grad_bytes": _storage_bytes(grads),
+    return {"weight_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
             "state_bytes": optimizer_state_bytes(opt),
-            "held_bytes": _storage_bytes(params + grads + state)}
+            "held_bytes": storage_bytes(params + grads + state)}
 
 
 def optimizer_step_flops(opt: Optimizer) -> int:

@@ -40,7 +40,7 @@ _LIBC = _load_libc()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages under ``tensors``, each counted once (views share one)."""
+    """Bytes of the distinct storages behind ``tensors``: views and aliases count once."""
     storages = {}
     for t in tensors:
         storage = t.untyped_storage()
