@@ -29,6 +29,13 @@ def cpu_backends(op=None) -> list:
     return params
 
 
+# The compiled CPU kernels, for tests of them alone (shown as skipped, with the reason,
+# in a build without _C).
+requires_cpu_backend = pytest.mark.skipif(
+    _dispatch.unavailable_reason("cpu", "cpu") is not None,
+    reason=str(_dispatch.unavailable_reason("cpu", "cpu")))
+
+
 def clone(tensors: Sequence[torch.Tensor]) -> list:
     return [t.clone() for t in tensors]
 

@@ -14,17 +14,11 @@ sign-based and SGD ops, whose operations match the reference's exactly.
 import pytest
 import torch
 
-from frugal_kernels.ops import _dispatch
-
 from ..op_db import OPS
-from .helpers import rel_diff
+from .helpers import rel_diff, requires_cpu_backend
 
 STEPS = 1000
 DRIFT = 1e-5
-
-requires_cpu_backend = pytest.mark.skipif(
-    _dispatch.unavailable_reason("cpu", "cpu") is not None,
-    reason=str(_dispatch.unavailable_reason("cpu", "cpu")))
 
 
 def _trajectory(op, call, backend):

@@ -11,12 +11,7 @@ import pytest
 import torch
 
 from frugal_kernels import ops
-from frugal_kernels.ops import _dispatch
-from tests.ops.helpers import assert_bits_close
-
-requires_cpu_backend = pytest.mark.skipif(
-    _dispatch.unavailable_reason("cpu", "cpu") is not None,
-    reason=str(_dispatch.unavailable_reason("cpu", "cpu")))
+from tests.ops.helpers import assert_bits_close, requires_cpu_backend
 
 
 def every_finite_half() -> torch.Tensor:
