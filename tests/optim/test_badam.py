@@ -60,6 +60,17 @@ def block_params(model, block):
 NAMES = ["embedding", "model.layers.0", "model.layers.1", "model.layers.2", "head"]
 
 
+def train_only(model, block):
+    """Freeze every parameter of ``model`` but ``block``'s (as BAdam does); returns those."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+    active = block_params(model, block)
+    for p in active:
+        p.requires_grad_(True)
+    return active
+
+
 def expected_order(mode, steps):
     cycle = {"ascending": NAMES, "descending": NAMES[::-1], "fixed": FIXED_ORDER}[mode]
     return [cycle[(t // SWITCH_EVERY) % len(cycle)] for t in range(steps)]
@@ -83,19 +94,12 @@ def test_matches_adamw_on_the_active_block(mode):
         # Rebuilt at every switch, also when "random" draws the same block again
         # across an epoch boundary: each switch starts the block's AdamW afresh.
         if t % SWITCH_EVERY == 0:
-            for p in ref.parameters():
-                p.requires_grad_(False)
-                p.grad = None
-            active = block_params(ref, block)
-            for p in active:
-                p.requires_grad_(True)
+            active = train_only(ref, block)
             ref_opt = torch.optim.AdamW(active, foreach=False, **HYPER)
-        model.loss(t).backward()
-        opt.step()
-        opt.zero_grad()
-        ref.loss(t).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m.loss(t).backward()
+            o.step()
+            o.zero_grad()
     assert len(opt.history) - 1 == steps // SWITCH_EVERY
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         # Gradients come through the loss, so one-ulp differences of the fused op's
@@ -416,22 +420,15 @@ def test_inner_frugal_matches_frugal_on_the_active_block():
     for t in range(steps):
         block = opt.active_block
         if t % SWITCH_EVERY == 0:
-            for p in ref.parameters():
-                p.requires_grad_(False)
-                p.grad = None
-            active = block_params(ref, block)
-            for p in active:
-                p.requires_grad_(True)
+            active = train_only(ref, block)
             groups = [{"params": [p for p in active if p.dim() >= 2]},
                       {"params": [p for p in active if p.dim() < 2], "projected": False}]
             ref_opt = fk.FRUGAL([g for g in groups if g["params"]], seed=_inner_seed(4, t),
                                 nonfinite="propagate", **options, **HYPER)
-        model.loss(t).backward()
-        opt.step()
-        opt.zero_grad()
-        ref.loss(t).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m.loss(t).backward()
+            o.step()
+            o.zero_grad()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
 
