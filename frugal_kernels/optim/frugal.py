@@ -9,7 +9,6 @@ from torch import Tensor
 
 from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check_int, check_number
-from frugal_kernels.optim import plan
 from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
 from frugal_kernels.optim.projections import DENSE, FAMILIES, Projection, Subspace
@@ -205,32 +204,12 @@ class FRUGAL(FusedOptimizer):
                 self._plan = None
 
     def _after_plan(self) -> None:
-        if self._carried:
-            self._carry_moments()
+        # from_optimizer's moments went into the plan's tensors as they were assigned;
+        # those of tensors without a gradient at the first step are let go with them.
+        self._carried = {}
         if self._last_change == self._steps_taken:
             # The state the new subspaces dropped is free now: hand it back to the OS.
             release_freed_memory()
-
-    def _carry_moments(self) -> None:
-        """The first step's state-full moments from the optimizer this one was made from
-        (:meth:`from_optimizer`); the carried tensors are let go after it."""
-        carried, self._carried = self._carried, {}
-        for bucket in self._plan:
-            rule = bucket.assignment.rule
-            if rule not in ("adamw", "subset"):
-                continue
-            for p in bucket.params:
-                old = carried.get(p)
-                if old is None:
-                    continue
-                st = self.state[p]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    st[key].copy_(_gather(old[key], st.get("indices"),
-                                          bucket.assignment.subset_kind if rule == "subset"
-                                          else None))
-                st["step"] = torch.tensor(old["step"], dtype=torch.float32)
-        # Buckets share one bias-correction step: the carried counts may split them.
-        self._plan = plan.build(self.param_groups, self.state, self._assign, self._group_lr)
 
     def _state_may_change(self) -> bool:
         return (self._last_change is None
@@ -259,7 +238,17 @@ class FRUGAL(FusedOptimizer):
                              "update_gap": self._update_gap, "reason": reason})
 
     def _assign(self, gi: int, group: dict, i: int, p: Tensor) -> Assignment:
-        return self._family(group).assign(self._subspace(gi, group), i, p)
+        assignment = self._family(group).assign(self._subspace(gi, group), i, p)
+        old = self._carried.pop(p, None)
+        if old is not None and assignment.rule in ("adamw", "subset"):
+            # from_optimizer: the state-full part of the AdamW moments, before the plan
+            # buckets the tensor by its (carried) bias-correction step.
+            st = self.state[p]
+            kind = assignment.subset_kind if assignment.rule == "subset" else None
+            for key in ("exp_avg", "exp_avg_sq"):
+                st[key].copy_(_gather(old[key], st.get("indices"), kind))
+            st["step"] = torch.tensor(old["step"], dtype=torch.float32)
+        return assignment
 
     # ------------------------------------------------------------- checkpoints
 
