@@ -126,6 +126,14 @@ def back_project(low: Tensor, projection: Tensor, side: int) -> Tensor:
     return torch.matmul(low, projection) if side == RIGHT else torch.matmul(projection, low)
 
 
+# ---------------------------------------------------------------- GradScaler
+
+def inverse_grad_scale(grad_scale: Tensor) -> Tensor:
+    """GradScaler's inverse scale, as its ``unscale_`` computes it: in double, rounded to
+    fp32 once (0-dim, on ``grad_scale``'s device: no host sync)."""
+    return grad_scale.detach().reshape(()).double().reciprocal().float()
+
+
 # ---------------------------------------------------------------- memory
 
 def memory_span(t: Tensor) -> Optional[Tuple[int, int]]:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import _quant
-from frugal_kernels._layout import back_project, matrix_shape
+from frugal_kernels._layout import back_project, inverse_grad_scale, matrix_shape
 
 def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     """``g`` in fp32 with GradScaler's scale divided out as its unscale_ does: times the
@@ -24,8 +24,7 @@ def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     g32 = g.float()
     if grad_scale is None:
         return g32
-    inv = torch.tensor(1.0 / grad_scale, dtype=torch.float64).float()
-    return g32 * inv
+    return g32 * inverse_grad_scale(torch.tensor(grad_scale, dtype=torch.float64))
 
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "dqt_update_"]

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from frugal_kernels import ops
 from frugal_kernels.ops import unchecked
-from frugal_kernels._layout import lowrank_side, project
+from frugal_kernels._layout import inverse_grad_scale, lowrank_side, project
 
 __all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
            "run", "signature", "pack_step_counters"]
@@ -207,8 +207,7 @@ def _lowrank(bucket: Bucket, grads, state, backend, calls, amp) -> None:
     if amp:
         # The projections of the unscaled gradient, as lowrank_step_ takes them: the
         # low-rank tensors are small, so they are unscaled here rather than in the op.
-        inv = amp["grad_scale"].double().reciprocal().float()
-        torch._foreach_mul_(low_grads, inv)
+        torch._foreach_mul_(low_grads, inverse_grad_scale(amp["grad_scale"]))
     # AdamW on a zero "parameter" without decay leaves exactly the update in it.
     low_updates = [torch.zeros_like(lg) for lg in low_grads]
     calls.adamw_(low_updates, low_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,

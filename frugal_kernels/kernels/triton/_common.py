@@ -48,6 +48,8 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
+from frugal_kernels._layout import inverse_grad_scale
+
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 TL_INDEX_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64}
 
@@ -129,7 +131,7 @@ def amp_scalars(grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
     if grad_scale is None:
         inv = torch.ones((), device=device)
     else:
-        inv = (1.0 / grad_scale.detach().reshape(()).to(device, torch.float64)).float()
+        inv = inverse_grad_scale(grad_scale.to(device))
     if found_inf is None:
         found = torch.zeros((), device=device)
     else:
