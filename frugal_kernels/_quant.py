@@ -26,7 +26,7 @@ Scales. fp32, shape ``[1]`` (one per tensor) or ``[R]`` (one per row), read as
 
 Stochastic rounding. A value ``w`` goes back to a code as
 ``x = w / s`` (an fp32 division), ``f = floor(x)``, ``q = f + (u < x - f)``,
-clamped to ``[-qmax, qmax]``, with ``u`` uniform in ``[0, 1)``: unbiased,
+clamped to ``[-qmax, qmax]`` (a NaN ``x`` gives 0), with ``u`` uniform in ``[0, 1)``: unbiased,
 ``E[s * q] = w`` while ``w`` lies inside the range. ``u`` comes from a
 counter-based generator: a pure function of ``(seed, step, index)`` with
 ``index = r * C + c`` the element's place in the unpacked ``[R, C]`` weight, so
@@ -91,7 +91,7 @@ def pack(q: Tensor, bits: int) -> Tensor:
     stream = ((fields >> weights) & 1).reshape(rows, cols * bits)
     pad = packed_cols(cols, bits) * 8 - cols * bits
     stream = torch.nn.functional.pad(stream, (0, pad))
-    by_byte = stream.reshape(rows, -1, 8) << torch.arange(8, device=q.device)
+    by_byte = stream.reshape(rows, packed_cols(cols, bits), 8) << torch.arange(8, device=q.device)
     return by_byte.sum(-1).to(torch.uint8)
 
 
@@ -99,7 +99,7 @@ def unpack(packed: Tensor, bits: int, cols: int) -> Tensor:
     """Packed uint8 codes ``[R, packed_cols(cols, bits)]`` back to int32 codes ``[R, cols]``."""
     rows = packed.shape[0]
     stream = (packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
-    stream = stream.reshape(rows, -1)[:, : cols * bits].reshape(rows, cols, bits)
+    stream = stream.reshape(rows, packed.shape[1] * 8)[:, : cols * bits].reshape(rows, cols, bits)
     fields = (stream << torch.arange(bits, device=packed.device)).sum(-1)
     return (fields - qmax(bits)).to(torch.int32)
 
@@ -145,7 +145,9 @@ def uniform(seed: int, step: int, index: Tensor) -> Tensor:
 
 def stochastic_round(x: Tensor, u: Tensor, bits: int) -> Tensor:
     """``x`` (fp32, in units of the scale) to int32 codes: up with probability
-    ``x - floor(x)``, given the uniforms ``u``; clamped to the code range."""
+    ``x - floor(x)``, given the uniforms ``u``; clamped to the code range. A NaN
+    goes to the code 0 (``+-inf`` clamp to ``+-qmax``)."""
     f = torch.floor(x)
     q = f + (u < x - f).to(torch.float32)
-    return q.clamp_(-qmax(bits), qmax(bits)).to(torch.int32)
+    q = q.clamp_(-qmax(bits), qmax(bits)).nan_to_num_(nan=0.0)
+    return q.to(torch.int32)

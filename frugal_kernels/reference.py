@@ -257,6 +257,8 @@ def dqt_update_(
     state_free_scale: float = 1.0,
     seeds: Sequence[int],
     rng_step: int,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
 ) -> None:
     """One DQT step on INT-n weights in the format of :mod:`frugal_kernels._quant`.
 
@@ -267,13 +269,15 @@ def dqt_update_(
     element index)``; pack the codes back. ``grads[i]`` is ``[R, C]``; the scales
     do not change.
     """
+    if found_inf:
+        return
     for q, s, g, m, v, idx, seed in zip(codes, scales, grads, exp_avgs, exp_avg_sqs, indices,
                                         seeds):
         rows, cols = g.shape
         w = _quant.dequantize(q, s, bits, cols)
         frugal_step_([w], [g], [m], [v], [idx], kind=kind, lr=lr, beta1=beta1, beta2=beta2,
                      eps=eps, weight_decay=weight_decay, step=step, state_free=state_free,
-                     state_free_scale=state_free_scale)
+                     state_free_scale=state_free_scale, grad_scale=grad_scale)
         x = w / s.float().reshape(-1, 1)
         u = _quant.uniform(seed, rng_step, torch.arange(rows * cols, device=g.device))
         q.copy_(_quant.pack(_quant.stochastic_round(x, u.reshape(rows, cols), bits), bits))

@@ -221,6 +221,28 @@ struct Subsets {
   }
 };
 
+// The quantization of the weights of a dqt_update_ call, one entry per tensor.
+struct Quant {
+  std::vector<const float*> scales;
+  Sizes scale_count, rows, cols;
+  std::vector<uint32_t> seeds;
+
+  Quant(const Addresses& sc, Sizes count, Sizes r, Sizes c, const std::vector<uint32_t>& sd)
+      : scales(as_pointers<const float*>(sc)), scale_count(std::move(count)), rows(std::move(r)),
+        cols(std::move(c)), seeds(sd) {
+    check_count("QuantBatch scale_count", scale_count.size(), scales.size());
+    check_count("QuantBatch rows", rows.size(), scales.size());
+    check_count("QuantBatch cols", cols.size(), scales.size());
+    check_count("QuantBatch seeds", seeds.size(), scales.size());
+  }
+
+  cpu::QuantBatch view(const Batch& b) const {
+    check_count("QuantBatch scales", scales.size(), b.numel.size());
+    return cpu::QuantBatch{scales.data(), scale_count.data(), rows.data(), cols.data(),
+                           seeds.data()};
+  }
+};
+
 py::dict as_dict(const cuda::LaunchLimits& l) {
   py::dict d;
   d["threads"] = l.threads;
@@ -279,6 +301,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, bool, const Addresses&, Sizes, Sizes, Sizes>(), py::kw_only(),
            py::arg("kind"), py::arg("index_is_int32"), py::arg("indices"), py::arg("rows"),
            py::arg("cols"), py::arg("k"));
+  py::class_<Quant>(m, "QuantBatch")
+      .def(py::init<const Addresses&, Sizes, Sizes, Sizes, const std::vector<uint32_t>&>(),
+           py::kw_only(), py::arg("scales"), py::arg("scale_count"), py::arg("rows"),
+           py::arg("cols"), py::arg("seeds"));
   // lr / step: addresses of float32 values the kernel reads (device memory
   // for the real kernels, host memory for the emulated ones); 0: use the
   // value in the hyper-parameter struct.
@@ -314,6 +340,12 @@ PYBIND11_MODULE(_C, m) {
   adamw_fields(frugal_hyper, &FrugalHyper::adamw)
       .field("state_free", &FrugalHyper::state_free)
       .field("state_free_scale", &FrugalHyper::state_free_scale);
+  Record<DqtHyper> dqt_hyper(m, "DqtHyper");
+  adamw_fields(dqt_hyper, &DqtHyper::frugal, &FrugalHyper::adamw)
+      .field("state_free", &DqtHyper::frugal, &FrugalHyper::state_free)
+      .field("state_free_scale", &DqtHyper::frugal, &FrugalHyper::state_free_scale)
+      .field("bits", &DqtHyper::bits)
+      .field("rng_step", &DqtHyper::rng_step);
   Record<LowrankHyper>(m, "LowrankHyper")
       .field("lr", &LowrankHyper::lr)
       .field("weight_decay", &LowrankHyper::weight_decay)
@@ -358,6 +390,16 @@ PYBIND11_MODULE(_C, m) {
     const auto ug = as_pointers<const float*>(up_grads);
     py::gil_scoped_release nogil;
     cpu::lowrank_step(t, uu.data(), ug.data(), b.dtype, h, num_threads);
+  });
+
+  // The batch's params are the packed codes and its dtype the gradients'.
+  m.def("dqt_update_cpu", [](const Batch& b, const Subsets& s, const Quant& q, const DqtHyper& h,
+                             int num_threads) {
+    const cpu::TensorBatch t = b.view_with_moments();
+    const cpu::SubsetBatch sub = s.view(b);
+    const cpu::QuantBatch quant = q.view(b);
+    py::gil_scoped_release nogil;
+    cpu::dqt_update(t, sub, quant, b.dtype, h, num_threads);
   });
 
   // --------------------------------------------------------- cuda_emulated

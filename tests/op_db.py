@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from frugal_kernels import ops, reference
+from frugal_kernels import _quant, ops, reference
 from frugal_kernels._layout import (
     LEFT,
     RIGHT,
@@ -93,6 +93,7 @@ class OpInfo:
     tensor_scalar_sample: str = ""  # the sample that checks 0-dim tensor lr (and step)
     # Option sets every compiled-CPU sample also runs under, across ISA levels.
     isa_variants: Tuple[dict, ...] = ({},)
+    grad_position: int = 1          # the positional list of the gradients
 
     @property
     def qualname(self) -> str:
@@ -610,4 +611,129 @@ LOWRANK_STEP = OpInfo(
     compare=compare_lowrank, tensor_scalar_sample="many tensors",
 )
 
-OPS = (ADAMW, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP)
+# ---------------------------------------------------------------- dqt_update_
+
+DQT_HYPER = dict(lr=2e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, rng_step=11)
+
+
+def dqt_case(shape, bits, kind, density, dtype, seed, per_row=False, index_dtype=torch.int64):
+    """(codes, scales, grads, exp_avgs, exp_avg_sqs, indices) of one weight of ``shape``:
+    random codes over the whole range, a scale per tensor or per row."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    top = _quant.qmax(bits)
+    q = torch.randint(-top, top + 1, shape, generator=gen)
+    scales = torch.rand(rows if per_row else 1, generator=gen) * 0.02 + 0.01
+    grads = (torch.randn(shape, generator=gen) * 0.3).to(dtype)
+    idx = subset(shape, kind, density, seed, index_dtype)
+    st = state_shape(grads, kind, idx.numel())
+    m = torch.randn(st, generator=gen) * 0.1
+    v = torch.rand(st, generator=gen) * 0.1
+    return [_quant.pack(q, bits)], [scales], [grads], [m], [v], [idx]
+
+
+def _dqt(shape, bits, kind, density, seed, per_row=False, **options):
+    def make(dtype, backend):
+        case = dqt_case(shape, bits, kind, density, dtype, seed, per_row)
+        return case, {**DQT_HYPER, "bits": bits, "kind": kind, "seeds": [seed], **options}
+    return make
+
+
+def _dqt_many(dtype, backend):
+    shapes = [(7, 9), (0, 5), (30, 41), (1, 1), (3, 2100), (2, 0)]
+    lists = [[], [], [], [], [], []]
+    for i, shape in enumerate(shapes):
+        for lst, part in zip(lists, dqt_case(shape, 3, "columns", 0.5, dtype, i, i % 2 == 0)):
+            lst += part
+    return tuple(lists), {**DQT_HYPER, "bits": 3, "kind": "columns",
+                          "seeds": [2**32 - 1 - i for i in range(len(shapes))]}
+
+
+def compare_dqt(actual, expected, dtype, what):
+    """The codes to the bit (the same rounding decisions on every backend); the
+    moments as for frugal_step_."""
+    if actual and actual[0].dtype == torch.uint8:
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            apart = (a != e).sum().item()
+            assert apart == 0, f"{what}[{i}]: {apart} bytes of codes differ"
+    else:
+        assert_params_close(actual, expected, what=what)
+
+
+def _dqt_errors():
+    def case(name, change, error, match, **overrides):
+        def make():
+            args = dqt_case((12, 10), 4, "rows", 0.5, torch.float32, seed=13)
+            return change(*args), {**DQT_HYPER, "bits": 4, "kind": "rows", "seeds": [1],
+                                   "step": 1, **overrides}
+        return ErrorInput(name, make, error, match)
+
+    same = (lambda *a: a)
+    return (
+        case("bits", same, ValueError, "bits must be one of", bits=5),
+        case("codes dtype", lambda q, s, g, m, v, i: ([q[0].to(torch.int8)], s, g, m, v, i),
+             TypeError, "codes[0] has dtype"),
+        case("codes shape", lambda q, s, g, m, v, i: ([q[0][:, :-1]], s, g, m, v, i),
+             ValueError, "packs to (12, 5)"),
+        case("codes of other bits", same, ValueError, "packs to (12, 3)", bits=2),
+        case("scale shape", lambda q, s, g, m, v, i: (q, [torch.ones(5)], g, m, v, i),
+             ValueError, "scales[0] has shape (5,)"),
+        case("scale dtype", lambda q, s, g, m, v, i: (q, [s[0].double()], g, m, v, i),
+             TypeError, "scales[0] has dtype"),
+        case("1-D grad", lambda q, s, g, m, v, i: (q, s, [g[0].view(-1)], m, v, i),
+             ValueError, "2-D weight gradient"),
+        case("state shape", lambda q, s, g, m, v, i: (q, s, g, [m[0][:-1]], v, i), ValueError,
+             "exp_avgs[0] has shape"),
+        case("index range", lambda q, s, g, m, v, i: (q, s, g, m, v, [i[0] + 12]), ValueError,
+             "must be in [0, 12)"),
+        case("seeds length", same, ValueError, "2 seeds", seeds=[1, 2]),
+        case("seed range", same, ValueError, "seeds[0] must be in", seeds=[-1]),
+        case("rng_step range", same, ValueError, "rng_step must be in", rng_step=2**32),
+        case("lists", lambda q, s, g, m, v, i: (q, s + s, g, m, v, i), ValueError, "2 scales"),
+    )
+
+
+def _dqt_opcheck(kind):
+    def make():
+        args = dqt_case((9, 13), 3, kind, 0.4, torch.float32, seed=12, per_row=True)
+        return (*args, kind, [7], 3, torch.tensor(1e-2), 0.9, 0.999, 1e-8, 0.01,
+                torch.tensor(2.0), "sign", 1.0, 5, *grad_scaler_args(), "auto")
+    return make
+
+
+# (bits, kind, density, shape): every code width over each subset kind; rows of
+# 3 bits whose fields straddle bytes and end mid-byte; rows longer than a CPU
+# segment of 2048 columns; plain AdamW (every row) and plain SignSGD (none).
+DQT_CASES = [
+    (2, "columns", 0.25, (37, 130)),
+    (3, "rows", 0.25, (11, 2053)),
+    (4, "flat", 0.25, (60, 70)),
+    (8, "columns", 0.25, (5, 5000)),
+    (4, "rows", 1.0, (33, 19)),
+    (2, "rows", 0.0, (33, 19)),
+    (3, "columns", 0.6, (17, 23)),
+    (8, "flat", 0.1, (4097, 1)),
+]
+
+DQT_UPDATE = OpInfo(
+    name="dqt_update_", op=ops.dqt_update_, ref=reference.dqt_update_,
+    outputs=("codes", "exp_avgs", "exp_avg_sqs"), output_positions=(0, 3, 4), num_lists=6,
+    samples=(
+        *(SampleInput(f"bits={bits} {kind} density={density} {shape}",
+                      _dqt(shape, bits, kind, density, seed=sum(shape) + bits), steps=3)
+          for bits, kind, density, shape in DQT_CASES),
+        *(SampleInput(f"bits={bits} per-row scales state_free={rule}",
+                      _dqt((40, 50), bits, "rows", 0.3, 8, per_row=True, state_free=rule,
+                           state_free_scale=0.5), steps=2, dtypes=FP32)
+          for bits in _quant.QUANT_BITS for rule in STATE_FREE_RULES),
+        SampleInput("many weights, mixed sizes and empty", _dqt_many, steps=3),
+    ),
+    error_inputs=_dqt_errors(),
+    opcheck_inputs=tuple((kind, _dqt_opcheck(kind)) for kind in SUBSET_KINDS),
+    empty_kwargs={**DQT_HYPER, "bits": 4, "kind": "rows", "seeds": [], "step": 1},
+    compare=compare_dqt, counts_steps=True, tensor_scalar_sample="bits=3 rows density=0.25 (11, 2053)",
+    isa_variants=({"state_free": "sign"}, {"state_free": "sgd"}),
+    grad_position=2,
+)
+
+OPS = (ADAMW, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP, DQT_UPDATE)

@@ -21,6 +21,8 @@ struct Level {
   void (*frugal_step)(const TensorBatch&, const SubsetBatch&, DType, const FrugalScalars&, int);
   void (*lowrank_step)(const TensorBatch&, const float* const*, const float* const*, DType,
                        const SignScalars&, StateFree, int);
+  void (*dqt_update)(const TensorBatch&, const SubsetBatch&, const QuantBatch&, DType,
+                     const FrugalScalars&, int, uint32_t, int);
 };
 
 bool always() { return true; }
@@ -37,7 +39,8 @@ bool has_avx512() {
 #endif
 
 #define FK_LEVEL(ns, supported) \
-  Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step }
+  Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step, \
+        ns::dqt_update }
 
 const Level kLevels[] = {
 #if defined(FK_HAVE_X86_LEVELS)
@@ -131,6 +134,13 @@ void lowrank_step(const TensorBatch& t, const float* const* up_updates, const fl
   active().lowrank_step(t, up_updates, up_grads, dtype,
                         sign_scalars(h.lr, h.weight_decay, h.state_free_scale, h.grad_scale),
                         h.state_free, num_threads);
+}
+
+void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q, DType grad_dtype,
+                const DqtHyper& h, int num_threads) {
+  if (h.frugal.adamw.found_inf != 0.0) return;
+  active().dqt_update(t, sub, q, grad_dtype, frugal_scalars(h.frugal), h.bits, h.rng_step,
+                      num_threads);
 }
 
 }  // namespace cpu

@@ -6,6 +6,7 @@
 
 #include "frugal/common.h"
 #include "frugal/frugal_tile.h"
+#include "frugal/quant.h"
 #include "frugal/update_rules.h"
 
 namespace frugal {
@@ -31,6 +32,17 @@ struct SubsetBatch {
   const int64_t* k;
 };
 
+// The quantization of the weights of a dqt_update_ call, one entry per tensor
+// of its batch; the batch's params are then the packed codes (uint8, format
+// of frugal/quant.h) and its dtype is the gradients'.
+struct QuantBatch {
+  const float* const* scales;
+  const int64_t* scale_count;  // 1 (one scale per tensor) or rows (one per row)
+  const int64_t* rows;
+  const int64_t* cols;
+  const uint32_t* seeds;
+};
+
 struct FrugalScalars {
   AdamWScalars adamw;
   SignScalars state_free;
@@ -54,6 +66,9 @@ FK_HOST_DEVICE FrugalScalars frugal_scalars(const FrugalHyper& h) {
   void lowrank_step(const TensorBatch& t, const float* const* up_updates,                     \
                     const float* const* up_grads, DType dtype, const SignScalars& s,          \
                     StateFree mode, int num_threads);                                         \
+  void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,           \
+                  DType grad_dtype, const FrugalScalars& s, int bits, uint32_t rng_step,      \
+                  int num_threads);                                                           \
   }
 
 FK_DECLARE_CPU_KERNELS(baseline)
@@ -83,6 +98,11 @@ void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, cons
 // p = (p * decay - lr * scale * rule(g - up_grad)) + up_update, fp32 buffers.
 void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,
                   DType dtype, const LowrankHyper& h, int num_threads);
+
+// DQT's step on packed INT-n weights: dequantize, frugal_step (AdamW on the
+// subset, the state-free rule elsewhere), round stochastically, pack.
+void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q, DType grad_dtype,
+                const DqtHyper& h, int num_threads);
 
 }  // namespace cpu
 }  // namespace frugal

@@ -9,7 +9,9 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
 - :func:`frugal_step_` — the fused FRUGAL update: AdamW on a state-full subset
   of rows, columns or coordinates with compact moments, SignSGD elsewhere;
 - :func:`lowrank_step_` — the weight update of FRUGAL's low-rank projections:
-  back-projections, the state-free rule on the residual and weight decay.
+  back-projections, the state-free rule on the residual and weight decay;
+- :func:`dqt_update_` — DQT's step on packed INT-n weights: dequantize, the
+  FRUGAL (or AdamW, or SignSGD) update, stochastic rounding, pack.
 
 The registered operators are ``torch.ops.frugal.<op>``; the functions here
 accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
@@ -17,10 +19,12 @@ accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
 
 from frugal_kernels.ops._dispatch import BACKENDS, CAPABILITIES, resolve, usable_backends
 from frugal_kernels.ops.adamw import adamw_
+from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
 from frugal_kernels.ops.lowrank_step import lowrank_step_
 from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
-__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "BACKENDS", "CAPABILITIES",
+__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "dqt_update_",
+           "BACKENDS", "CAPABILITIES",
            "resolve", "usable_backends"]

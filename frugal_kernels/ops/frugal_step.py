@@ -54,37 +54,46 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr, beta1, beta2
     if state_free not in STATE_FREE_RULES:
         raise ValueError(f"{OP}: state_free must be one of {', '.join(STATE_FREE_RULES)}; "
                          f"got {state_free!r}")
-    if len(indices) != len(params):
-        raise ValueError(f"{OP}: got {len(params)} params but {len(indices)} indices; "
-                         "the lists must have one entry per param")
-    for i, (p, idx) in enumerate(zip(params, indices)):
-        if not isinstance(idx, Tensor):
-            raise TypeError(f"{OP}: indices[{i}] is a {type(idx).__name__}, not a torch.Tensor")
-        if idx.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{OP}: indices[{i}] has dtype {idx.dtype}; use torch.int32 or "
-                            "torch.int64")
-        if idx.dtype != indices[0].dtype:
-            raise TypeError(f"{OP}: indices[{i}] has dtype {idx.dtype} but indices[0] has "
-                            f"{indices[0].dtype}; one call takes one index dtype")
-        if idx.dim() != 1:
-            raise ValueError(f"{OP}: indices[{i}] must be 1-D, got shape {tuple(idx.shape)}")
-        if isinstance(p, Tensor):
-            if idx.device != p.device:
-                raise ValueError(f"{OP}: indices[{i}] is on {idx.device} but params[{i}] is on "
-                                 f"{p.device}")
-            if kind != "flat" and p.dim() == 0:
-                raise ValueError(f"{OP}: params[{i}] is 0-dim; kind {kind!r} needs at least "
-                                 "one dimension (use kind='flat')")
-            if idx.numel() > subset_dim(p, kind):
-                raise ValueError(f"{OP}: indices[{i}] has {idx.numel()} entries but params[{i}] "
-                                 f"has only {subset_dim(p, kind)} {kind}")
+    check_subsets(OP, params, indices, kind)
     check_batch(OP, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
                 state_shape=lambda i, p: subset_state_shape(p, kind, indices[i].numel()))
     check_adamw_hyper(OP, beta1, beta2, eps)
     check_finite(OP, weight_decay=weight_decay, state_free_scale=state_free_scale)
 
 
-def validate_indices(params: Sequence[Tensor], indices: Sequence[Tensor], kind: str) -> None:
+def check_subsets(op: str, params: Sequence[Tensor], indices: Sequence[Tensor], kind: str,
+                  name: str = "params") -> None:
+    """Metadata checks of the state-full subsets: one index tensor per param, an
+    index dtype per call, 1-D, on the param's device, no more ids than the
+    param has rows, columns or coordinates."""
+    if len(indices) != len(params):
+        raise ValueError(f"{op}: got {len(params)} {name} but {len(indices)} indices; "
+                         "the lists must have one entry per param")
+    for i, (p, idx) in enumerate(zip(params, indices)):
+        if not isinstance(idx, Tensor):
+            raise TypeError(f"{op}: indices[{i}] is a {type(idx).__name__}, not a torch.Tensor")
+        if idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{op}: indices[{i}] has dtype {idx.dtype}; use torch.int32 or "
+                            "torch.int64")
+        if idx.dtype != indices[0].dtype:
+            raise TypeError(f"{op}: indices[{i}] has dtype {idx.dtype} but indices[0] has "
+                            f"{indices[0].dtype}; one call takes one index dtype")
+        if idx.dim() != 1:
+            raise ValueError(f"{op}: indices[{i}] must be 1-D, got shape {tuple(idx.shape)}")
+        if isinstance(p, Tensor):
+            if idx.device != p.device:
+                raise ValueError(f"{op}: indices[{i}] is on {idx.device} but {name}[{i}] is on "
+                                 f"{p.device}")
+            if kind != "flat" and p.dim() == 0:
+                raise ValueError(f"{op}: {name}[{i}] is 0-dim; kind {kind!r} needs at least "
+                                 "one dimension (use kind='flat')")
+            if idx.numel() > subset_dim(p, kind):
+                raise ValueError(f"{op}: indices[{i}] has {idx.numel()} entries but {name}[{i}] "
+                                 f"has only {subset_dim(p, kind)} {kind}")
+
+
+def validate_indices(params: Sequence[Tensor], indices: Sequence[Tensor], kind: str,
+                     op: str = OP) -> None:
     """Data checks of the subsets: sorted, unique and in range (a device sync on GPUs)."""
     for i, (p, idx) in enumerate(zip(params, indices)):
         if idx.numel() == 0:
@@ -92,10 +101,10 @@ def validate_indices(params: Sequence[Tensor], indices: Sequence[Tensor], kind: 
         limit = subset_dim(p, kind)
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= limit:
-            raise ValueError(f"{OP}: indices[{i}] holds values in [{lo}, {hi}] but must be in "
+            raise ValueError(f"{op}: indices[{i}] holds values in [{lo}, {hi}] but must be in "
                              f"[0, {limit}) for {kind} of a tensor of shape {tuple(p.shape)}")
         if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-            raise ValueError(f"{OP}: indices[{i}] must be sorted and unique (strictly "
+            raise ValueError(f"{op}: indices[{i}] must be sorted and unique (strictly "
                              "increasing)")
 
 

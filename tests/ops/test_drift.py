@@ -26,8 +26,8 @@ def _trajectory(op, call, backend):
     args = [list(a) for a in args]
     for i in op.output_positions:
         args[i] = [t.clone() for t in args[i]]
-    grads = [g.clone() for g in args[1]]
-    args[1] = grads
+    grads = [g.clone() for g in args[op.grad_position]]
+    args[op.grad_position] = grads
     gen = torch.Generator().manual_seed(0)
     fn = op.ref if backend == "torch" else op.op
     extra = {} if backend == "torch" else {"backend": backend}

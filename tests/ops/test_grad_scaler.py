@@ -31,11 +31,11 @@ def _rows():
                                id=f"{op.name}-{backend.id}")
 
 
-def _scaled(call, factor):
-    """The call with every gradient (the second list) multiplied by ``factor``."""
+def _scaled(op, call, factor):
+    """The call with every gradient multiplied by ``factor``."""
     args, kwargs = call
     args = list(args)
-    args[1] = [g * factor for g in args[1]]
+    args[op.grad_position] = [g * factor for g in args[op.grad_position]]
     return tuple(args), kwargs
 
 
@@ -49,22 +49,22 @@ def _sample_calls(op, backend):
 def test_scaled_gradients_with_their_scale_give_the_unscaled_bits(op, backend):
     for sample, dtype, call in _sample_calls(op, backend):
         want = op.run(op.op, call, sample, backend=backend)
-        got = op.run(op.op, _scaled(call, SCALE), sample, backend=backend,
+        got = op.run(op.op, _scaled(op, call, SCALE), sample, backend=backend,
                      grad_scale=torch.tensor(SCALE), found_inf=torch.tensor(0.0))
         for name, a, e in zip(op.outputs, got, want):
             for i, (x, y) in enumerate(zip(a, e)):
                 assert torch.equal(x, y), f"{name}[{i}] ({dtype})"
 
 
-def _poisoned(call):
+def _poisoned(op, call):
     """The call with a NaN and infinities in the gradients, as when found_inf is set."""
     args, kwargs = call
     args = list(args)
-    grads = [g.clone() for g in args[1]]
+    grads = [g.clone() for g in args[op.grad_position]]
     for g in grads:
         if g.numel() >= 3:
             g.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    args[1] = grads
+    args[op.grad_position] = grads
     return tuple(args), kwargs
 
 
@@ -78,7 +78,7 @@ def _assert_untouched(op, call, got):
 @pytest.mark.parametrize("op,backend", list(_rows()))
 def test_found_inf_on_the_host_leaves_everything_untouched(op, backend):
     for sample, dtype, call in _sample_calls(op, backend):
-        call = _poisoned(call)
+        call = _poisoned(op, call)
         got = op.run(op.op, call, sample, backend=backend, grad_scale=torch.tensor(SCALE),
                      found_inf=torch.tensor(1.0))
         _assert_untouched(op, call, got)
@@ -91,7 +91,7 @@ def test_found_inf_read_by_the_backend_leaves_everything_untouched(op, backend, 
     module = importlib.import_module(f"frugal_kernels.ops.{op.name.rstrip('_')}")
     monkeypatch.setattr(module, "skipped_on_host", lambda found_inf: False)
     for sample, dtype, call in _sample_calls(op, backend):
-        call = _poisoned(call)
+        call = _poisoned(op, call)
         got = op.run(op.op, call, sample, backend=backend, found_inf=torch.tensor(1.0))
         _assert_untouched(op, call, got)
 

@@ -26,7 +26,9 @@ from frugal_kernels._layout import (STATE_FREE_RULES, SUBSET_KINDS, lowrank_dim,
 from frugal_kernels.ops import CAPABILITIES, _dispatch
 from frugal_kernels.ops._common import kernel_batch, subset_batch
 
-from ..op_db import OPS, SampleInput, frugal_case, lowrank_case
+from frugal_kernels._quant import QUANT_BITS
+
+from ..op_db import OPS, SampleInput, dqt_case, frugal_case, lowrank_case
 from .helpers import DTYPES, make_batch
 
 # 1, primes, and 2^k +- 1 around the CPU kernels' block (2048) and chunk (2^15).
@@ -138,8 +140,36 @@ def lowrank_step_call(draw, backend):
     return tuple(lists), hyper, dtype
 
 
+@st.composite
+def dqt_update_call(draw, backend):
+    kind = draw(st.sampled_from(SUBSET_KINDS))
+    bits = draw(st.sampled_from(QUANT_BITS))
+    dtype = draw(st.sampled_from(DTYPES))
+    index_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    lists = [[], [], [], [], [], []]
+    for i in range(draw(st.integers(1, 3))):
+        rows = draw(st.sampled_from([s for s in SIZES if s <= 300]))
+        cols = draw(st.sampled_from([s for s in SIZES if s * rows <= MAX_NUMEL[backend] // 3]))
+        density = draw(st.sampled_from([0.0, 0.01, 0.25, 0.5, 0.9, 1.0]))
+        case = dqt_case((rows, cols), bits, kind, density, dtype,
+                        seed=draw(st.integers(0, 99)) + i, per_row=draw(st.booleans()),
+                        index_dtype=index_dtype)
+        for lst, part in zip(lists, case):
+            lst += part
+    hyper = dict(kind=kind, bits=bits, lr=draw(lr()), beta1=draw(st.floats(0.0, 0.99)),
+                 beta2=draw(st.floats(0.9, 0.9999)), eps=draw(st.floats(1e-10, 1e-6)),
+                 weight_decay=draw(st.floats(0.0, 0.2)),
+                 state_free=draw(st.sampled_from(STATE_FREE_RULES)),
+                 state_free_scale=draw(st.floats(0.1, 2.0)),
+                 seeds=draw(st.lists(st.integers(0, 2**32 - 1), min_size=len(lists[0]),
+                                     max_size=len(lists[0]))),
+                 rng_step=draw(st.integers(0, 2**32 - 1)))
+    return tuple(lists), hyper, dtype
+
+
 CALLS = {"adamw_": adamw_call, "sign_sgd_": sign_sgd_call, "sgd_": sgd_call,
-         "frugal_step_": frugal_step_call, "lowrank_step_": lowrank_step_call}
+         "frugal_step_": frugal_step_call, "lowrank_step_": lowrank_step_call,
+         "dqt_update_": dqt_update_call}
 
 
 def test_every_op_has_a_strategy():
