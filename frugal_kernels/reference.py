@@ -281,3 +281,12 @@ def dqt_update_(
         x = w / s.float().reshape(-1, 1)
         u = _quant.uniform(seed, rng_step, torch.arange(rows * cols, device=g.device))
         q.copy_(_quant.pack(_quant.stochastic_round(x, u.reshape(rows, cols), bits), bits))
+
+
+@torch.no_grad()
+def dequantize(codes: Tensor, scales: Tensor, *, bits: int, cols: int,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """``ops.dequantize``: the weight ``s * q`` of packed codes, computed in fp32
+    (the format's own definition, :func:`frugal_kernels._quant.dequantize`) and
+    rounded to ``dtype``."""
+    return _quant.dequantize(codes, scales, bits, cols).to(dtype)

@@ -402,6 +402,19 @@ PYBIND11_MODULE(_C, m) {
     cpu::dqt_update(t, sub, quant, b.dtype, h, num_threads);
   });
 
+  // One weight's packed codes to floats W = s * q; `out` holds rows * cols
+  // values of dtype_code.
+  m.def("dequantize_cpu", [](uintptr_t codes, uintptr_t scales, int64_t scale_count, int64_t rows,
+                             int64_t cols, int bits, uintptr_t out, int dtype_code,
+                             int num_threads) {
+    py::gil_scoped_release nogil;
+    cpu::dequantize(reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const float*>(scales),
+                    scale_count, rows, cols, bits, reinterpret_cast<void*>(out), DType(dtype_code),
+                    num_threads);
+  }, py::arg("codes"), py::arg("scales"), py::arg("scale_count"), py::arg("rows"),
+     py::arg("cols"), py::arg("bits"), py::arg("out"), py::arg("dtype"),
+     py::arg("num_threads"));
+
   // --------------------------------------------------------- cuda_emulated
   // The CUDA kernels run on the host, for tests: the arguments of the *_cuda
   // functions without the stream, DeviceScalars holding host addresses. Each

@@ -6,7 +6,9 @@ one, as BAdam will) and a fresh optimizer over it; the contract tests of
 tests/optim/test_contract.py run every entry (exact resume through
 ``torch.load(weights_only=True)``, LR schedulers, closures, GradScaler,
 torch.compile, state dicts that do not fit, add_param_group, groups without
-gradients). BAdam has its entries; DQT joins by adding entries to :data:`OPTIMIZERS`.
+gradients). BAdam and DQT have their entries. A DQT weight's values are its
+layer's codes, not the placeholder parameter: the tests read what a step
+changes through :func:`values`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import frugal_kernels as fk
+from frugal_kernels.nn import QuantLinear, QuantWeight
 from frugal_kernels.optim.subspace import PROJECTIONS
 
 from .optim.helpers import HYPER, groups, make_params, set_grads
@@ -73,6 +76,13 @@ class OptimizerInfo:
             opt.step()
             if self.after_step is not None:
                 self.after_step(opt, t)
+
+
+def values(params, clone: bool = False) -> List[torch.Tensor]:
+    """The tensors that hold ``params``' values: a QuantWeight's are its layer's packed
+    codes, every other parameter's its own data."""
+    out = [p.codes if isinstance(p, QuantWeight) else p.detach() for p in params]
+    return [v.clone() for v in out] if clone else out
 
 
 def _grouped_params(seed: int) -> Model:
@@ -181,3 +191,36 @@ OPTIMIZERS = OPTIMIZERS + tuple(
                   trained=lambda opt: opt.param_groups[opt.active_block_index]["params"],
                   add_param_group_refused="param groups are its blocks"),
 )
+
+
+def _quant_model(seed: int) -> Model:
+    """Three QuantLinear layers (4 bits per-row scales, 3 bits, ternary) and their biases.
+    The scales do not depend on ``seed`` (the step never changes them), so that two
+    models differ in what :func:`values` reads."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        layers = [QuantLinear(10, 12, bits=4, scale="row", seed=1),
+                  QuantLinear(12, 9, bits=3, seed=2),
+                  QuantLinear(9, 6, bias=False, bits=2, seed=3)]
+    for layer in layers:
+        layer.scale.fill_(0.05)
+    quant = [layer.weight for layer in layers]
+    reg = [layer.bias for layer in layers if layer.bias is not None]
+    return groups(quant, reg), reg + quant
+
+
+def _dqt(update: str, projection: str = "columns"):
+    def factory(inputs, **options):
+        return fk.DQT(inputs, **{**HYPER, "update": update, "projection": projection,
+                                 "density": 0.4, "update_gap": 3, "seed": 5, **options})
+    return factory
+
+
+OPTIMIZERS = OPTIMIZERS + tuple(
+    OptimizerInfo(name=f"DQT-{update}", make_model=_quant_model, factory=_dqt(update),
+                  misfits=_frugal_misfits("columns")[:2])
+    for update in ("adamw", "sign")) + tuple(
+    OptimizerInfo(name=f"DQT-frugal-{projection}", make_model=_quant_model,
+                  factory=_dqt("frugal", projection), variants=_RESET_VARIANTS,
+                  resumed_attributes=_RESUMED, misfits=_frugal_misfits(projection))
+    for projection in ("blocks", "columns", "rows", "randk"))

@@ -23,6 +23,8 @@ struct Level {
                        const SignScalars&, StateFree, int);
   void (*dqt_update)(const TensorBatch&, const SubsetBatch&, const QuantBatch&, DType,
                      const FrugalScalars&, int, uint32_t, int);
+  void (*dequantize)(const uint8_t*, const float*, int64_t, int64_t, int64_t, int, void*, DType,
+                     int);
 };
 
 bool always() { return true; }
@@ -40,7 +42,7 @@ bool has_avx512() {
 
 #define FK_LEVEL(ns, supported) \
   Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step, \
-        ns::dqt_update }
+        ns::dqt_update, ns::dequantize }
 
 const Level kLevels[] = {
 #if defined(FK_HAVE_X86_LEVELS)
@@ -141,6 +143,11 @@ void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& 
   if (h.frugal.adamw.found_inf != 0.0) return;
   active().dqt_update(t, sub, q, grad_dtype, frugal_scalars(h.frugal), h.bits, h.rng_step,
                       num_threads);
+}
+
+void dequantize(const uint8_t* codes, const float* scales, int64_t scale_count, int64_t rows,
+                int64_t cols, int bits, void* out, DType dtype, int num_threads) {
+  active().dequantize(codes, scales, scale_count, rows, cols, bits, out, dtype, num_threads);
 }
 
 }  // namespace cpu

@@ -69,6 +69,8 @@ FK_HOST_DEVICE FrugalScalars frugal_scalars(const FrugalHyper& h) {
   void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,           \
                   DType grad_dtype, const FrugalScalars& s, int bits, uint32_t rng_step,      \
                   int num_threads);                                                           \
+  void dequantize(const uint8_t* codes, const float* scales, int64_t scale_count, int64_t rows, \
+                  int64_t cols, int bits, void* out, DType dtype, int num_threads);           \
   }
 
 FK_DECLARE_CPU_KERNELS(baseline)
@@ -103,6 +105,11 @@ void lowrank_step(const TensorBatch& t, const float* const* up_updates, const fl
 // subset, the state-free rule elsewhere), round stochastically, pack.
 void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q, DType grad_dtype,
                 const DqtHyper& h, int num_threads);
+
+// Packed INT-n codes [rows, packed cols] with their scales (scale_count 1 or
+// rows) to the weight W = s * q [rows, cols], written to `out` in `dtype`.
+void dequantize(const uint8_t* codes, const float* scales, int64_t scale_count, int64_t rows,
+                int64_t cols, int bits, void* out, DType dtype, int num_threads);
 
 }  // namespace cpu
 }  // namespace frugal

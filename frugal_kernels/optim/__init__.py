@@ -2,7 +2,8 @@
 
 from frugal_kernels.optim.adafrugal import AdaFRUGAL
 from frugal_kernels.optim.badam import BAdam
+from frugal_kernels.optim.dqt import DQT
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.grouping import param_groups
 
-__all__ = ["FRUGAL", "AdaFRUGAL", "BAdam", "param_groups"]
+__all__ = ["FRUGAL", "AdaFRUGAL", "BAdam", "DQT", "param_groups"]

@@ -39,6 +39,10 @@ class FusedOptimizer(Optimizer):
     """Base of the optimizers whose step is a few fused op calls (see the module docstring)."""
 
     _step_supports_amp_scaling = True
+    # Parameter types whose tensor only carries the gradient, its values living
+    # elsewhere (DQT's QuantWeight: a stride-0 view of one element, the weight in
+    # its module's codes): exempt from the contiguity the in-place ops need.
+    _placeholder_types: Tuple[type, ...] = ()
 
     def __init__(self, params: Iterable, defaults: dict, backend: str, nonfinite: str = "skip",
                  seed: int = 0):
@@ -117,7 +121,8 @@ class FusedOptimizer(Optimizer):
                             "use a list")
         params = list(params)
         _check_new_params(params, gi, [(gj, i, p) for gj, g in enumerate(self.param_groups)
-                                       for i, p in enumerate(g["params"])])
+                                       for i, p in enumerate(g["params"])],
+                          self._placeholder_types)
         self._check_group({**self.defaults, **param_group}, f"param group {gi}", True)
         super().add_param_group({**param_group, "params": params})
         self._plan = None
@@ -211,7 +216,8 @@ class FusedOptimizer(Optimizer):
                 # The cheap test of every step; torch's grad setter and autograd already
                 # hold a gradient to its parameter's shape and device (its dtype too,
                 # unless p.grad_dtype was cleared).
-                if g.layout is not strided or g.dtype is not p.dtype or not p.is_contiguous():
+                if g.layout is not strided or g.dtype is not p.dtype or (
+                        not p.is_contiguous() and not isinstance(p, self._placeholder_types)):
                     _refuse_gradient(gi, i, p)
                 with_grads.append((gi, i, p))
         return tuple(key), with_grads
@@ -353,7 +359,8 @@ def _refuse_gradient(gi: int, i: int, p: Tensor) -> None:
                      "fused ops take gradients of their parameter's dtype")
 
 
-def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int, Tensor]]) -> None:
+def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int, Tensor]],
+                      placeholders: Tuple[type, ...] = ()) -> None:
     """Refuse what the fused ops cannot update in place: a parameter listed twice (here
     or in an earlier group), two parameters sharing memory, a non-contiguous parameter.
     Checked once, when the group is added, not at every step."""
@@ -366,7 +373,7 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
         if id(p) in seen:
             raise ValueError(f"{name} is the same tensor as {seen[id(p)]}: a parameter may "
                              "appear once in an optimizer (it would be updated twice)")
-        if not p.is_contiguous():
+        if not p.is_contiguous() and not isinstance(p, placeholders):
             raise ValueError(f"{name} is not contiguous: the fused ops update parameters in "
                              f"place and need them contiguous; {_CONTIGUOUS_ADVICE}")
         seen[id(p)] = name

@@ -42,18 +42,22 @@ class Assignment:
     (none: the group's ``state_free`` rule only), ``"subset"`` (AdamW on the
     rows, columns or flat coordinates in ``state["indices"]``, the state-free
     rule elsewhere) or ``"lowrank"`` (AdamW in the span of
-    ``state["projection"]``, the state-free rule on the residual). Tensors
-    whose assignments are equal can share an op call.
+    ``state["projection"]``, the state-free rule on the residual). DQT's
+    quantized weights take ``"dqt_adamw"``, ``"dqt_state_free"`` and
+    ``"dqt_subset"``: the same three splits applied to their packed codes by
+    one ``dqt_update_`` call. Tensors whose assignments are equal can share an
+    op call.
     """
 
     rule: str
     subset_kind: str = ""                    # subset: rows, columns or flat
     index_dtype: Optional[torch.dtype] = None  # subset: every call takes one index dtype
     full_rank: bool = False                  # lowrank at full rank: no residual
+    bits: int = 0                            # dqt: the code width of every weight of the call
 
     @property
     def stateful(self) -> bool:
-        return self.rule != "state_free"
+        return self.rule not in ("state_free", "dqt_state_free")
 
 
 ADAMW = Assignment("adamw")
@@ -74,6 +78,9 @@ class Bucket:
     # Per-rule tensors that do not change between calls (the state-free rule's
     # empty subsets).
     cache: dict = field(default_factory=dict)
+    # The optimizer's count of steps taken, set before each call: the counter of the
+    # random numbers of the rules that draw them (DQT's stochastic rounding).
+    rng_step: int = 0
 
 
 def signature(params: Sequence[Tensor]) -> list:
@@ -174,12 +181,7 @@ def _state_free(bucket: Bucket, grads, state, backend, calls, amp) -> None:
                         backend=backend, **amp)
         return
     # sgd / none: the fused FRUGAL op with an empty state-full set.
-    if "empty" not in bucket.cache:
-        bucket.cache["empty"] = ([torch.empty(0, dtype=torch.int32, device=p.device)
-                                  for p in params],
-                                 [torch.empty(0, device=p.device) for p in params],
-                                 torch.tensor(1.0, dtype=torch.float64))
-    empty, zeros, one = bucket.cache["empty"]
+    empty, zeros, one = _empty_subsets(bucket)
     calls.frugal_step_(params, grads, zeros, zeros, empty, kind="flat", lr=bucket.lr, beta1=0.0,
                      beta2=0.0, eps=0.0, weight_decay=wd, step=one, state_free=rule,
                      state_free_scale=scale, backend=backend, check_indices=False, **amp)
@@ -220,6 +222,55 @@ def _lowrank(bucket: Bucket, grads, state, backend, calls, amp) -> None:
                       state_free_scale=group["state_free_lr_scale"], backend=backend, **amp)
 
 
+def _empty_subsets(bucket: Bucket):
+    """Empty indices and moments per tensor and a step of 1: the arguments of a
+    state-full subset that holds nothing, made once per bucket."""
+    if "empty" not in bucket.cache:
+        bucket.cache["empty"] = ([torch.empty(0, dtype=torch.int32, device=p.device)
+                                  for p in bucket.params],
+                                 [torch.empty(0, device=p.device) for p in bucket.params],
+                                 torch.tensor(1.0, dtype=torch.float64))
+    return bucket.cache["empty"]
+
+
+def _dqt_call(bucket: Bucket, grads, m, v, indices, kind: str, step, beta1: float, beta2: float,
+              eps: float, calls, backend, amp) -> None:
+    """One dqt_update_ over the bucket's quantized weights (their codes and scales are
+    their modules', read at each call: a module moved by ``.to()`` has new ones)."""
+    group, params = bucket.group, bucket.params
+    calls.dqt_update_([p.codes for p in params], [p.scale for p in params], grads, m, v, indices,
+                      bits=bucket.assignment.bits, kind=kind, seeds=[p.seed for p in params],
+                      lr=bucket.lr, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=group["weight_decay"], step=step,
+                      rng_step=bucket.rng_step % (1 << 32), state_free=group["state_free"],
+                      state_free_scale=group["state_free_lr_scale"], backend=backend,
+                      check_indices=False, **amp)
+
+
+def _dqt_adamw(bucket: Bucket, grads, state, backend, calls, amp) -> None:
+    beta1, beta2 = bucket.group["betas"]
+    _, m, v, step = _moments(bucket, state)
+    if "rows" not in bucket.cache:
+        # AdamW on every coordinate is the FRUGAL split with every row state-full.
+        bucket.cache["rows"] = [torch.arange(p.shape[0], dtype=torch.int32, device=p.device)
+                                for p in bucket.params]
+    _dqt_call(bucket, grads, m, v, bucket.cache["rows"], "rows", step, beta1, beta2,
+              bucket.group["eps"], calls, backend, amp)
+
+
+def _dqt_state_free(bucket: Bucket, grads, state, backend, calls, amp) -> None:
+    empty, zeros, one = _empty_subsets(bucket)
+    _dqt_call(bucket, grads, zeros, zeros, empty, "flat", one, 0.0, 0.0, 0.0, calls, backend, amp)
+
+
+def _dqt_subset(bucket: Bucket, grads, state, backend, calls, amp) -> None:
+    beta1, beta2 = bucket.group["betas"]
+    states, m, v, step = _moments(bucket, state)
+    _dqt_call(bucket, grads, m, v, [st["indices"] for st in states],
+              bucket.assignment.subset_kind, step, beta1, beta2, bucket.group["eps"], calls,
+              backend, amp)
+
+
 # A runner takes the bucket, its gradients, the optimizer's state, the backend, the
 # module whose op faces it calls (``ops``, or ``ops.unchecked`` once checked) and the
 # GradScaler keywords of its op calls (``grad_scale``, or none).
@@ -228,4 +279,7 @@ RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], dict, str, Any, dict], None]]
     "state_free": _state_free,
     "subset": _subset,
     "lowrank": _lowrank,
+    "dqt_adamw": _dqt_adamw,
+    "dqt_state_free": _dqt_state_free,
+    "dqt_subset": _dqt_subset,
 }

@@ -1,0 +1,69 @@
+"""``quantize_``: swap a model's ``nn.Linear`` layers for :class:`QuantLinear` in place."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, List, Optional, Union
+
+import torch
+from torch import nn
+
+from frugal_kernels import _quant
+from frugal_kernels.nn.quant_linear import QuantLinear
+
+__all__ = ["quantize_"]
+
+DEFAULT_SKIP = ("lm_head",)
+
+
+def _matches(name: str, patterns: List[re.Pattern]) -> bool:
+    return any(p.fullmatch(name) or p.fullmatch(name.rsplit(".", 1)[-1]) for p in patterns)
+
+
+def quantize_(model: nn.Module, bits: int = 4, skip: Union[str, Iterable[str]] = DEFAULT_SKIP,
+              scale: str = "tensor", dtype: Optional[torch.dtype] = None,
+              seed: int = 0) -> List[str]:
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`QuantLinear` built from it
+    (:meth:`QuantLinear.from_linear`), in place; returns the names replaced.
+
+    Args:
+        bits, scale, dtype: as for :class:`QuantLinear` (``dtype``, of the bias
+            and the weight gradient, defaults to the layer's, float32 for fp32).
+        skip: layers kept as they are: names or regular expressions, matched
+            against the whole module name (``model.layers.0.mlp.up``) or its
+            last part (``lm_head``, the default: the output head stays in full
+            precision, as in the DQT paper).
+        seed: the layers' rounding seeds are ``seed``, ``seed + 1``, ... in
+            module order, so no two layers share their random numbers.
+
+    A weight shared between layers (tied embeddings and head) cannot be
+    quantized for one of them only: such a layer raises a ValueError unless
+    skipped, and nothing is replaced then.
+    """
+    _quant.check_bits(bits, "quantize_")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_ takes an nn.Module, got {type(model).__name__}")
+    names = [skip] if isinstance(skip, str) else list(skip)
+    try:
+        patterns = [re.compile(n) for n in names]
+    except re.error as e:
+        raise ValueError(f"quantize_: skip has an invalid pattern: {e}") from None
+    owners = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(module))
+    chosen = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and not _matches(name, patterns):
+            if len(owners[id(module.weight)]) > 1:
+                raise ValueError(f"quantize_: {name}'s weight is shared with another module "
+                                 "(tied weights); skip it or untie it")
+            chosen.append((name, module))
+    replaced = []
+    for k, (name, linear) in enumerate(chosen):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear.from_linear(linear, bits=bits, scale=scale,
+                                                       dtype=dtype, seed=seed + k))
+        replaced.append(name)
+    return replaced
