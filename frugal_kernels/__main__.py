@@ -276,15 +276,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the same model from the same initialisation on the same batches "
                     "with each optimizer (by default AdamW, FRUGAL rho=0.25, AdaFRUGAL, "
                     "AdaFRUGAL under the compute governor with the full run's FLOPs as budget, "
-                    "BAdam, and the peers whose package is installed: GaLore, APOLLO, "
+                    "BAdam, DQT 4-bit alone and with FRUGAL, and the peers whose package is "
+                    "installed: GaLore, APOLLO, "
                     "Adam-mini, 8-bit AdamW), each at its learning rates from the package's "
                     "tuned.json, then print a table of validation loss, held memory, optimizer "
                     "state, peak memory and step time, and write metrics.json, table.md, "
                     "table.csv and demo.png. The defaults take about 5 minutes on a 2-core CPU.")
     demo_parser.add_argument(
-        "--optimizers", nargs="+", metavar="NAME", default=list(demo.OPTIMIZERS),
+        "--optimizers", nargs="+", metavar="NAME", default=list(demo.DEFAULT_RUNS),
         choices=list(demo.OPTIMIZERS),
-        help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)} (default: all); a governed "
+        help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)} (default: all but dqt8, "
+             "dqt3, dqt2 and their -frugal rows); a governed "
              "run brings the run its budget comes from")
     _add_training_arguments(demo_parser, demo.DEFAULTS)
     demo_parser.set_defaults(func=_demo)

@@ -27,11 +27,12 @@ import torch
 from frugal_kernels import tuned as tuned_lrs
 from frugal_kernels.data import TokenDataset, load_corpus
 from frugal_kernels.model import LlamaForCausalLM
-from frugal_kernels.optim import FRUGAL, AdaFRUGAL, BAdam
+from frugal_kernels.nn import quantize_
+from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam
 from frugal_kernels.peers import PEERS, missing
 from frugal_kernels.train import OptimizerFactory, RunResult, TrainConfig, lr_groups, train
 
-__all__ = ["DEFAULTS", "DemoOptimizer", "OPTIMIZERS", "available", "collect_metrics", "plot",
+__all__ = ["DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "OPTIMIZERS", "available", "collect_metrics", "plot",
            "resolve", "run_config", "run_demo", "run_train", "table", "write"]
 
 # The paper's T = 200 is for runs of tens of thousands of steps. On short runs each subspace
@@ -98,6 +99,32 @@ def _badam_frugal(model, config: TrainConfig) -> BAdam:
                  seed=config.seed, inner="frugal", density=0.25, projection="columns")
 
 
+def _dqt(bits: int, update: str) -> OptimizerFactory:
+    """DQT at ``bits`` over the model's attention and MLP matrices (quantized in place,
+    per-row scales, bf16 weight gradients: 2 bytes per weight instead of 4); the
+    embeddings, norms and head stay fp32 with AdamW."""
+    def make(model, config: TrainConfig) -> DQT:
+        quantize_(model, bits=bits, scale="row", dtype=torch.bfloat16)
+        return DQT(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
+                   update=update, density=0.25, projection="columns", update_gap=UPDATE_GAP,
+                   seed=config.seed)
+    return make
+
+
+def _dqt_rows() -> dict[str, DemoOptimizer]:
+    """dqt8 .. dqt2 (ternary), alone and with FRUGAL. Not swept: they take AdamW's lrs."""
+    colors = {8: "tab:cyan", 4: "tab:purple", 3: "tab:brown", 2: "tab:pink"}
+    rows = {}
+    for bits in (8, 4, 3, 2):
+        width = "ternary" if bits == 2 else f"{bits}-bit"
+        rows[f"dqt{bits}"] = DemoOptimizer(f"DQT {width}", colors[bits], _dqt(bits, "adamw"),
+                                           tuned_as="adamw")
+        rows[f"dqt{bits}-frugal"] = DemoOptimizer(f"DQT {width} + FRUGAL rho=0.25",
+                                                  colors[bits], _dqt(bits, "frugal"),
+                                                  tuned_as="adamw")
+    return rows
+
+
 OPTIMIZERS: dict[str, DemoOptimizer] = {
     "adamw": DemoOptimizer("AdamW", "tab:gray", _adamw),
     "frugal": DemoOptimizer("FRUGAL rho=0.25", "tab:blue", _frugal),
@@ -108,6 +135,7 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
     # Not swept: it takes BAdam's tuned lr.
     "badam+frugal": DemoOptimizer(f"BAdam+FRUGAL K={BADAM_SWITCH_EVERY} rho=0.25", "tab:olive",
                                   _badam_frugal, tuned_as="badam"),
+    **_dqt_rows(),
 }
 
 
@@ -127,6 +155,11 @@ def _peer(spec: dict[str, Any]) -> DemoOptimizer:
 # What users would pick instead (frugal_kernels.peers): rows skipped when their package is not
 # installed.
 OPTIMIZERS.update((name, _peer(spec)) for name, spec in PEERS.items())
+
+# The runs of a plain `frugal-kernels demo`: every row but the DQT widths other than 4 bits,
+# which `--optimizers dqt8 dqt3 dqt2 ...` adds (each run costs about a minute on a 2-core CPU).
+DEFAULT_RUNS = tuple(name for name in OPTIMIZERS
+                     if not name.startswith("dqt") or name.startswith("dqt4"))
 
 # TrainConfig's defaults are the demo's (docs/demo.md); each optimizer's two learning rates
 # come from tuned.json, where a sweep recorded them for the model preset.
@@ -176,7 +209,7 @@ def run_config(config: TrainConfig, name: str, tuned: bool = True) -> TrainConfi
     return dataclasses.replace(config, lr=best["lr"], matrix_lr_ratio=best["matrix_lr_ratio"])
 
 
-def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = tuple(OPTIMIZERS),
+def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS,
              out: Optional[Path] = None, progress: bool | str = True,
              tuned: bool = True) -> dict[str, Any]:
     """Train one copy of the same initial model per optimizer in ``names`` (those whose

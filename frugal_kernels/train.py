@@ -33,6 +33,7 @@ from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.data import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
+from frugal_kernels.nn import QuantLinear
 from frugal_kernels.optim.memory import release_freed_memory, storage_bytes
 
 __all__ = [
@@ -189,8 +190,11 @@ def step_memory(model: nn.Module, opt: Optimizer) -> dict[str, int]:
     """Bytes of the training state held during a step, from the tensors themselves (call it
     between ``opt.step()`` and ``zero_grad``): the weights, their gradients, the optimizer's
     state, and ``held``, the three together with every storage counted once."""
-    params = [p for p in model.parameters()]
-    grads = [p.grad for p in params if p.grad is not None]
+    # A QuantLinear's weight lives in its codes and scales (buffers); its parameter is
+    # a one-value placeholder that carries the gradient.
+    params = [p for p in model.parameters()] + [
+        t for m in model.modules() if isinstance(m, QuantLinear) for t in (m.codes, m.scale)]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     state = list(_state_tensors(opt))
     return {"weight_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
             "state_bytes": optimizer_state_bytes(opt),

@@ -54,8 +54,14 @@ def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
     assert table_rows[0][:3] == ["optimizer", "steps", "val loss"] and len(table_rows) == 1 + len(installed)
     runs = saved["runs"]
     assert list(runs) == installed
-    first_losses = {run["steps"][0]["train_loss"] for run in runs.values()}
-    assert len(first_losses) == 1, "every run starts from the same weights on the same batch"
+    # Every run starts from the same weights on the same batch; a DQT run from their
+    # quantization at its width (the same for its FRUGAL row).
+    def start(name):
+        return name.split("-")[0] if name.startswith("dqt") else "float"
+    first_losses = {}
+    for name, run in runs.items():
+        first_losses.setdefault(start(name), set()).add(run["steps"][0]["train_loss"])
+    assert all(len(losses) == 1 for losses in first_losses.values()), first_losses
     for name in ("adamw", "frugal", "adafrugal"):
         s = runs[name]["summary"]
         assert s["steps"] == config.steps and len(runs[name]["steps"]) == config.steps

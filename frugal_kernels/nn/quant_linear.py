@@ -297,6 +297,15 @@ class QuantLinear(nn.Module):
             error_msgs.append(f"{prefix}codes: packed codes are torch.uint8, the checkpoint's "
                               f"are {codes.dtype}")
             return
+        extra = state_dict.get(prefix + "_extra_state")
+        if isinstance(extra, dict) and (extra.get("bits"), extra.get("scale")) != \
+                (self.bits, self.scale_mode):
+            # Checked before anything loads: torch would copy the bias and report
+            # the codes' shape, or raise from set_extra_state half way.
+            error_msgs.append(f"{prefix}: the checkpoint's layer has bits={extra.get('bits')}, "
+                              f"scale={extra.get('scale')!r}; this one bits={self.bits}, "
+                              f"scale={self.scale_mode!r}")
+            return
         if prefix + "weight" in state_dict:
             error_msgs.append(f"{prefix}weight: the checkpoint holds a float weight (an "
                               "nn.Linear's?); build this layer with QuantLinear.from_linear")

@@ -1,0 +1,240 @@
+"""nn.QuantLinear and quantize_: the stored format, the autograd, the module APIs."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import frugal_kernels as fk
+from frugal_kernels import _quant
+from frugal_kernels.nn import QuantLinear, QuantWeight
+from frugal_kernels.nn import quant_linear as quant_linear_module
+
+
+def _layer(in_f=37, out_f=11, bits=4, scale="tensor", bias=True, seed=0, dtype=None):
+    torch.manual_seed(seed)
+    return QuantLinear(in_f, out_f, bias=bias, bits=bits, scale=scale, dtype=dtype)
+
+
+@pytest.mark.parametrize("bits", _quant.QUANT_BITS)
+@pytest.mark.parametrize("scale", ["tensor", "row"])
+def test_storage_is_the_packed_codes_and_the_scales(bits, scale):
+    layer = _layer(bits=bits, scale=scale)
+    assert layer.codes.dtype == torch.uint8
+    assert tuple(layer.codes.shape) == (11, _quant.packed_cols(37, bits))
+    assert layer.codes.numel() <= 11 * (37 * bits + 7) // 8 + 11  # bits/8 per weight
+    assert layer.scale.dtype == torch.float32 and layer.scale.numel() == (1 if scale == "tensor"
+                                                                         else 11)
+    # The parameter only carries the gradient: one value of storage.
+    assert isinstance(layer.weight, QuantWeight) and layer.weight.shape == (11, 37)
+    assert layer.weight.untyped_storage().nbytes() == 4
+    codes = _quant.unpack(layer.codes, bits, 37)
+    assert int(codes.abs().max()) <= _quant.qmax(bits)
+
+
+def _no_float_copy_of_the_weight(layer):
+    """No float tensor of the module holds as many values as the weight."""
+    n = layer.in_features * layer.out_features
+    for name, t in list(layer.state_dict().items()) + list(layer.named_parameters()) + \
+            list(layer.named_buffers()):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            assert t.untyped_storage().nbytes() < n * t.element_size(), name
+
+
+@pytest.mark.parametrize("bits", _quant.QUANT_BITS)
+def test_no_float_copy_of_the_weight_in_the_module(bits):
+    layer = _layer(in_f=40, out_f=30, bits=bits)
+    layer(torch.randn(3, 40)).sum().backward()
+    _no_float_copy_of_the_weight(layer)
+
+
+def test_absmean_initialisation_from_a_linear():
+    torch.manual_seed(3)
+    linear = nn.Linear(50, 20)
+    for bits in _quant.QUANT_BITS:
+        for scale in ("tensor", "row"):
+            layer = QuantLinear.from_linear(linear, bits=bits, scale=scale)
+            w = linear.weight.detach()
+            absmean = w.abs().mean() if scale == "tensor" else w.abs().mean(dim=1)
+            s = absmean.reshape(-1) / _quant.qmax(bits)
+            assert torch.allclose(layer.scale, s)
+            q = torch.round(w / s.reshape(-1, 1)).clamp(-_quant.qmax(bits), _quant.qmax(bits))
+            assert torch.equal(_quant.unpack(layer.codes, bits, 50), q.to(torch.int32))
+            assert torch.equal(layer.bias, linear.bias)
+
+
+@pytest.mark.parametrize("block_values", [1 << 20, 64, 1])
+@pytest.mark.parametrize("bits,scale", [(4, "tensor"), (3, "row"), (2, "row"), (8, "tensor")])
+def test_forward_and_backward_equal_a_linear_on_the_dequantized_weight(monkeypatch, block_values,
+                                                                       bits, scale):
+    """Blocks of rows (down to one row at a time) give the dense layer's results."""
+    monkeypatch.setattr(quant_linear_module, "_BLOCK_VALUES", block_values)
+    layer = _layer(bits=bits, scale=scale)
+    x = torch.randn(2, 5, 37, requires_grad=True)
+    y = layer(x)
+    w = layer.dequantize().requires_grad_(True)
+    b = layer.bias.detach().clone().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    expected = nn.functional.linear(x2, w, b)
+    torch.testing.assert_close(y, expected)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(layer.weight.grad, w.grad)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(layer.bias.grad, b.grad)
+    assert layer.weight.grad.is_contiguous()
+
+
+def test_bf16_gradient_and_input():
+    layer = _layer(dtype=torch.bfloat16)
+    x = torch.randn(4, 37, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.bfloat16
+    assert layer.weight.untyped_storage().nbytes() == 2
+    expected = x.float().t().mm(torch.ones(4, 11)).t()
+    torch.testing.assert_close(layer.weight.grad.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_gradients_accumulate_over_backward_passes():
+    layer = _layer()
+    x1, x2 = torch.randn(3, 37), torch.randn(3, 37)
+    layer(x1).sum().backward()
+    first = layer.weight.grad.clone()
+    layer(x2).sum().backward()
+    layer.zero_grad()
+    layer(x2).sum().backward()
+    second = layer.weight.grad.clone()
+    layer.zero_grad()
+    layer(x1).sum().backward()
+    layer(x2).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, first + second)
+
+
+@pytest.mark.parametrize("bits", _quant.QUANT_BITS)
+def test_state_dict_round_trip_is_bit_exact(bits):
+    layer = _layer(bits=bits, scale="row", seed=1)
+    layer.seed = 77
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    assert set(sd) == {"codes", "scale", "bias", "_extra_state"}
+    other = _layer(bits=bits, scale="row", seed=2)
+    other.load_state_dict(sd)
+    for name in ("codes", "scale", "bias"):
+        assert torch.equal(getattr(other, name), getattr(layer, name)), name
+    assert other.seed == 77
+
+
+def test_loading_a_checkpoint_of_other_bits_or_a_float_weight_fails():
+    layer = _layer(bits=4)
+    with pytest.raises(RuntimeError, match="size mismatch|bits=3"):
+        layer.load_state_dict(_layer(bits=3).state_dict())
+    with pytest.raises(RuntimeError, match="from_linear"):
+        layer.load_state_dict(nn.Linear(37, 11).state_dict(), strict=False)
+    sd = layer.state_dict()
+    sd["codes"] = sd["codes"].to(torch.int16)
+    with pytest.raises(RuntimeError, match="torch.uint8"):
+        layer.load_state_dict(sd)
+
+
+def test_to_keeps_the_placeholder_small_and_the_scales_fp32():
+    layer = _layer(scale="row")
+    layer(torch.randn(2, 37)).sum().backward()
+    weight = layer.weight
+    layer.to(torch.bfloat16)
+    assert layer.weight is weight  # an optimizer built before keeps its parameter
+    assert weight.dtype == torch.bfloat16 and weight.untyped_storage().nbytes() == 2
+    assert weight.grad.dtype == torch.bfloat16
+    assert layer.scale.dtype == torch.float32 and layer.codes.dtype == torch.uint8
+    assert layer.bias.dtype == torch.bfloat16
+    assert list(dict(layer.named_parameters())) == ["weight", "bias"]
+
+
+def test_deepcopy_is_independent_and_small():
+    layer = _layer()
+    twin = copy.deepcopy(layer)
+    assert twin.weight.module is twin and twin.weight.untyped_storage().nbytes() == 4
+    assert torch.equal(twin.codes, layer.codes) and twin.codes.data_ptr() != layer.codes.data_ptr()
+    x = torch.randn(3, 37)
+    torch.testing.assert_close(twin(x), layer(x))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(bits=5), ValueError, "bits must be one of"),
+    (dict(bits=1), ValueError, "bits must be one of"),
+    (dict(scale="column"), ValueError, "scale must be 'tensor' or 'row'"),
+    (dict(dtype=torch.float64), TypeError, "dtype must be"),
+    (dict(in_features=-1), ValueError, "in_features must be an int"),
+])
+def test_bad_arguments(kwargs, error, match):
+    args = {"in_features": 4, "out_features": 3, **kwargs}
+    with pytest.raises(error, match=match):
+        QuantLinear(**args)
+
+
+def test_bad_inputs():
+    layer = _layer()
+    with pytest.raises(ValueError, match="in_features=37"):
+        layer(torch.randn(3, 36))
+    with pytest.raises(ValueError, match="quantize_from"):
+        layer.quantize_from(torch.randn(3, 3))
+    with pytest.raises(TypeError, match="nn.Linear"):
+        QuantLinear.from_linear(nn.Conv1d(3, 3, 1))
+
+
+# ---------------------------------------------------------------- quantize_
+
+
+def _tiny_lm():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.embed = nn.Embedding(20, 16)
+    model.layers = nn.ModuleList(nn.ModuleDict({"q": nn.Linear(16, 16), "up": nn.Linear(16, 32),
+                                                "down": nn.Linear(32, 16, bias=False)})
+                                 for _ in range(2))
+    model.lm_head = nn.Linear(16, 20, bias=False)
+    return model
+
+
+def test_quantize_swaps_every_linear_but_the_head():
+    model = _tiny_lm()
+    before = {n: m.weight.detach().clone() for n, m in model.named_modules()
+              if isinstance(m, nn.Linear)}
+    replaced = fk.quantize_(model, bits=3)
+    assert replaced == [n for n in before if n != "lm_head"]
+    assert type(model.lm_head) is nn.Linear
+    seeds = set()
+    for name in replaced:
+        layer = model.get_submodule(name)
+        assert isinstance(layer, QuantLinear) and layer.bits == 3
+        seeds.add(layer.seed)
+        reference = QuantLinear.from_linear(nn.Linear(*before[name].shape[::-1]), bits=3)
+        reference.quantize_from(before[name])
+        assert torch.equal(layer.codes, reference.codes)
+    assert len(seeds) == len(replaced)  # every layer draws its own random numbers
+
+
+def test_quantize_skip_takes_names_and_patterns():
+    model = _tiny_lm()
+    replaced = fk.quantize_(model, skip=["lm_head", r"layers\.1\..*", "down"])
+    assert replaced == ["layers.0.q", "layers.0.up"]
+
+
+def test_quantize_refuses_tied_weights_and_changes_nothing():
+    model = _tiny_lm()
+    model.lm_head.weight = model.layers[0]["q"].weight  # tied (shapes happen to agree)
+    model.lm_head = nn.Linear(16, 16, bias=False)
+    model.lm_head.weight = model.layers[0]["q"].weight
+    with pytest.raises(ValueError, match="tied weights"):
+        fk.quantize_(model, skip=())
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    with pytest.raises(ValueError, match="bits must be one of"):
+        fk.quantize_(model, bits=6)
+    with pytest.raises(ValueError, match="invalid pattern"):
+        fk.quantize_(model, skip="(")
