@@ -83,6 +83,7 @@ def _bench(args: argparse.Namespace) -> int:
                        with_ops="ops" in sections and not args.no_ops,
                        with_optimizers="optimizers" in sections and not args.no_optimizers,
                        with_overhead="overhead" in sections and not args.no_overhead,
+                       with_dqt="dqt" in sections,
                        preset=args.preset, rounds=args.rounds,
                        command="frugal-kernels " + " ".join(sys.argv[1:]))
     print(markdown(result))
@@ -366,10 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-optimizers", action="store_true", help="skip the optimizer steps")
     bench.add_argument("--no-overhead", action="store_true",
                        help="skip the host-overhead steps")
-    bench.add_argument("--only", nargs="+", metavar="SECTION", choices=("ops", "optimizers",
-                                                                        "overhead"),
+    bench.add_argument("--only", nargs="+", metavar="SECTION",
+                       choices=("ops", "optimizers", "overhead", "dqt"),
                        help="run only these sections: ops, optimizers, overhead (the host time "
-                            "per step on LLaMA-130M's tensor structure with tiny tensors)")
+                            "per step on LLaMA-130M's tensor structure with tiny tensors), dqt "
+                            "(QuantLinear storage and a whole training step of one layer)")
     bench.add_argument("--preset", choices=sorted(PRESETS), help="model shape of the optimizer part (default 130m, "
                                         "20m with --quick)")
     bench.add_argument("--rounds", type=_positive_int, help="timing rounds per candidate")

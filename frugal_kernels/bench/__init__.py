@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from frugal_kernels.bench import dqt as _dqt
 from frugal_kernels.bench import fingerprint as _fingerprint
 from frugal_kernels.bench import ops as _ops
 from frugal_kernels.bench import optimizers as _optimizers
@@ -21,12 +22,13 @@ from frugal_kernels.bench import report
 __all__ = ["run", "SECTIONS"]
 
 # The parts of a run, as `frugal-kernels bench --only` names them.
-SECTIONS = ("ops", "optimizers", "overhead")
+SECTIONS = ("ops", "optimizers", "overhead", "dqt")
 
 
 def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None,
         op_names: Optional[Sequence[str]] = None, with_ops: bool = True,
-        with_optimizers: bool = True, with_overhead: bool = True, preset: Optional[str] = None,
+        with_optimizers: bool = True, with_overhead: bool = True, with_dqt: bool = True,
+        preset: Optional[str] = None,
         rounds: Optional[int] = None, command: str = "") -> dict:
     """Run the benchmark sweep and write its results; returns them as a dict."""
     from tqdm.auto import tqdm
@@ -60,6 +62,16 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
         # The tensor structure of the full-size preset even in a quick run: it is tiny.
         with tqdm(total=1, desc="host overhead (130m structure)", unit="part") as bar:
             result["overhead"] = _overhead.host_overhead("130m", rounds=max(rounds, 15))
+            bar.update(1)
+    if with_dqt:
+        # One 4096 x 4096 layer at batch 4 (issue's setting; 1024 in a quick run).
+        dim = 1024 if quick else 4096
+        with tqdm(total=2, desc=f"dqt ({dim} x {dim} layer)", unit="part") as bar:
+            storage = _dqt.storage(dim, dev)
+            bar.update(1)
+            result["dqt"] = {"storage": storage,
+                             "step": _dqt.layer_step(dim, 4, rounds=max(3, rounds // 2),
+                                                     device=dev)}
             bar.update(1)
     out = Path(out) if out is not None else Path("bench/results")
     stem = _fingerprint.device_id(fp) + ("-quick" if quick else "")

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from frugal_kernels import ops
+from frugal_kernels import _quant, ops
 from frugal_kernels.bench.timing import measure
 from frugal_kernels._layout import (lowrank_dim, lowrank_side, project, subset_dim,
                                     subset_state_shape)
@@ -134,6 +134,45 @@ def _lowrank_step_cases(params, dtype, rho):
     # What it must move: p read and written, g read; the low-rank factors are small.
     return [OpCase("lowrank_step_", "random", n * 3 * params[0].element_size(), run,
                    backends=tuple(sorted(ops.CAPABILITIES["frugal::lowrank_step_"])))]
+
+
+@register("dqt_update_")
+def _dqt_update_cases(params, dtype, rho, bits: int = 4):
+    """The params' shapes as 4-bit codes with per-row scales; ``dtype`` is the
+    gradients'. Variants: AdamW (every row state-full), FRUGAL columns at ``rho``,
+    SignSGD (none)."""
+    gen = torch.Generator().manual_seed(3)
+    grads = _like(params)
+    codes = [torch.randint(0, 255, _quant.packed_shape(tuple(p.shape), bits), dtype=torch.uint8,
+                           generator=gen).to(p.device) for p in params]
+    scales = [torch.full((p.shape[0],), 0.01, device=p.device) for p in params]
+    n = sum(p.numel() for p in params)
+    code_bytes = 2 * sum(c.numel() for c in codes)  # read and written
+    size = params[0].element_size()
+    cases = []
+    for variant, kind, density in (("adamw", "rows", 1.0), ("columns", "columns", rho),
+                                   ("sign", "flat", 0.0)):
+        indices, m, v = [], [], []
+        for p in params:
+            dim = subset_dim(p, kind)
+            idx = subspace.choose_subset(dim, subspace.subset_size(density, dim), gen, p.device)
+            shape = subset_state_shape(p, kind, idx.numel())
+            indices.append(idx)
+            m.append(torch.zeros(shape, device=p.device))
+            v.append(torch.zeros(shape, device=p.device))
+        moments = sum(x.numel() for x in m)
+        index_bytes = sum(i.numel() * i.element_size() for i in indices)
+
+        def run(backend, indices=indices, m=m, v=v, kind=kind):
+            return lambda: ops.dqt_update_(codes, scales, grads, m, v, indices, bits=bits,
+                                           kind=kind, seeds=list(range(len(codes))), lr=1e-4,
+                                           beta1=0.9, beta2=0.999, eps=1e-8,
+                                           weight_decay=0.01, step=10, rng_step=10,
+                                           backend=backend, check_indices=False)
+        cases.append(OpCase("dqt_update_", f"{bits}-bit {variant}",
+                            code_bytes + n * size + moments * 16 + index_bytes, run,
+                            backends=tuple(sorted(ops.CAPABILITIES["frugal::dqt_update_"]))))
+    return cases
 
 
 # The ops the sweep knows, as `frugal-kernels bench --ops` takes them.

@@ -62,6 +62,19 @@ def markdown(result: dict) -> str:
         lines += _table(["optimizer", "us/step", "x fused AdamW", "change, us"],
                         [[r["optimizer"], f"{r['step_us']:.0f}", f"{r['vs_torch_adamw_fused']:.2f}",
                           f"{r['change_us']:.0f}"] for r in over["rows"]])
+    dqt = result.get("dqt")
+    if dqt:
+        step = dqt["step"]
+        lines += [f"## DQT: one {step['dim']} x {step['dim']} layer", "",
+                  "Bytes per weight of the stored weight (codes and scales, or the float "
+                  "weight), from the tensors' storages:", ""]
+        lines += _table(["format", "bytes/weight"],
+                        [[r["format"], f"{r['bytes_per_weight']:.3f}"] for r in dqt["storage"]])
+        lines += ["", f"A whole training step (forward, backward, optimizer step) at batch "
+                      f"{step['batch']}, in the same rounds:", ""]
+        lines += _table(["layer + optimizer", "ms/step", "x nn.Linear fp32 + fused AdamW"],
+                        [[name, f"{t * 1e3:.1f}", f"{step['vs_linear_adamw'][name]:.2f}"]
+                         for name, t in step["seconds"].items()])
     return "\n".join(lines)
 
 
