@@ -114,9 +114,18 @@ class _QuantLinearFunction(torch.autograd.Function):
                 grad_x.addmm_(g2[:, r0:r1], w)
             grad_x = grad_x.reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = g2.t().mm(x2)
-            if grad_w.dtype != ctx.weight_dtype:
-                grad_w = grad_w.to(ctx.weight_dtype)
+            if ctx.weight_dtype == x2.dtype:
+                grad_w = g2.t().mm(x2)
+            else:
+                # A gradient of another dtype (bf16 for fp32 inputs) is cast a block of
+                # rows at a time, in cache: casting the whole product afterwards was one
+                # more pass over the weight's size (at 4096 x 4096, batch 4, the step took
+                # 1.64x nn.Linear + fused AdamW's time with it, against 1.31x in fp32).
+                grad_w = torch.empty(rows, x2.shape[1], dtype=ctx.weight_dtype,
+                                     device=x2.device)
+                step = max(1, _BLOCK_VALUES // max(x2.shape[1], 1))
+                for r0 in range(0, rows, step):
+                    grad_w[r0:r0 + step] = g2[:, r0:r0 + step].t().mm(x2)
         if ctx.has_bias and ctx.needs_input_grad[4]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, None, None, grad_b, None

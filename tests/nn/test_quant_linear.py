@@ -100,6 +100,17 @@ def test_bf16_gradient_and_input():
     torch.testing.assert_close(layer.weight.grad.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("block_values", [1 << 20, 80])
+def test_bf16_gradient_of_fp32_inputs_is_the_rounded_fp32_gradient(monkeypatch, block_values):
+    """Cast a block of rows at a time (80 values: two rows of 37) or at once: the same bits."""
+    monkeypatch.setattr(quant_linear_module, "_BLOCK_VALUES", block_values)
+    layer = _layer(dtype=torch.bfloat16)
+    x = torch.randn(6, 37)
+    g = torch.randn(6, 11)
+    layer(x).backward(g)
+    assert torch.equal(layer.weight.grad, g.t().mm(x).to(torch.bfloat16))
+
+
 def test_gradients_accumulate_over_backward_passes():
     layer = _layer()
     x1, x2 = torch.randn(3, 37), torch.randn(3, 37)
