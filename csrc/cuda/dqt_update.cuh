@@ -169,6 +169,7 @@ struct DqtBlock {
     for (int i = tid; i < kDqtTile; i += nthreads) sh.ordinal[i] = -1;
   }
 
+  // Enters the members of tile t into the table, at their padded positions.
   FK_HOST_DEVICE void mark(DqtShared& sh, int t, int tid, int nthreads) const {
     const int64_t a = tile_begin(t);
     for_members(shape, idx, sh.tiles[t], tid, nthreads, [&](int64_t position, int32_t ordinal) {

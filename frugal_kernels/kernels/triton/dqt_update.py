@@ -46,8 +46,9 @@ from frugal_kernels.kernels.triton._common import (
 from frugal_kernels.kernels.triton.adamw import adamw_update
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
 
-# Not tuned on hardware yet. 1024 lanes (128 groups of 8) keep the per-lane
-# int64 positions, slots and search bounds within registers at 4 warps.
+# Not tuned on hardware yet (written without a GPU at hand): 1024 lanes, 128
+# groups of eight, at 4 warps are eight lanes per thread, each lane carrying a
+# few int64 values (its position, slot and search bounds).
 BLOCK = 1024
 NUM_WARPS = 4
 _GROUP = tl.constexpr(8)  # fields per group: eight fields fill `bits` whole bytes
@@ -132,7 +133,7 @@ def _or_groups(x, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dqt_tile(codes_ptr, scale_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, first, count, R, C, pitch,
+def _dqt_tile(codes_ptr, scale_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, first, count, C, pitch,
               packed_cols, scale_stride, subset_cols, k, key, decay, one_minus_beta1, beta2,
               one_minus_beta2, step_size, bc2_sqrt, eps, sf_step, inv, COLUMNS: tl.constexpr,
               STATE_FREE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -196,7 +197,7 @@ def _dqt_tile(codes_ptr, scale_ptr, g_ptr, m_ptr, v_ptr, idx_ptr, first, count, 
     # byte keeps its padding bits zero.
     u = rng_uniform(key, pos.to(tl.uint32))
     field = tl.where(valid, round_to_field(tl.div_rn(w, scale), u, QMAX), 0)
-    word = _or_groups(field.to(tl.int64) << ((lane % 8) * BITS), BLOCK)
+    word = _or_groups(field.to(tl.int64) << ((lane % _GROUP) * BITS), BLOCK)
     group = first + _GROUP * tl.arange(0, BLOCK // 8)
     gr = group // pitch
     gc = group - gr * pitch
@@ -235,7 +236,7 @@ def _dqt_update_kernel(table, n_tensors, decay, one_minus_beta1, beta2, one_minu
         _dqt_tile(field_ptr(record, 0, tl.uint8), field_ptr(record, 1, tl.float32),
                   field_ptr(record, 2, G_DTYPE), field_ptr(record, 3, tl.float32),
                   field_ptr(record, 4, tl.float32), field_ptr(record, 5, INDEX_DTYPE), first,
-                  count, R, C, pitch, tl.load(record + 8), tl.load(record + 9),
+                  count, C, pitch, tl.load(record + 8), tl.load(record + 9),
                   tl.load(record + 10), tl.load(record + 11), key, decay, one_minus_beta1,
                   beta2, one_minus_beta2, step_size, bc2_sqrt, eps, sf_step, inv, COLUMNS,
                   STATE_FREE, BITS, BLOCK)
