@@ -287,6 +287,7 @@ PYBIND11_MODULE(_C, m) {
     d["adamw"] = as_dict(cuda::adamw_limits());
     d["sign_sgd"] = as_dict(cuda::sign_sgd_limits());
     d["frugal_step"] = as_dict(cuda::frugal_step_limits());
+    d["dqt_update"] = as_dict(cuda::dqt_update_limits());
     return d;
   }, "The launch constants of the CUDA kernels (the emulated ones too, so in every build).");
 
@@ -439,6 +440,14 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           return cuda_emulated::frugal_step(t, sub, b.dtype, h, d);
         });
+  m.def("dqt_update_cuda_emulated", [](const Batch& b, const Subsets& s, const Quant& q,
+                                        const DqtHyper& h, const cuda::DeviceScalars& d) {
+    const cpu::TensorBatch t = b.view_with_moments();
+    const cpu::SubsetBatch sub = s.view(b);
+    const cpu::QuantBatch quant = q.view(b);
+    py::gil_scoped_release nogil;
+    return cuda_emulated::dqt_update(t, sub, quant, b.dtype, h, d);
+  });
 
 #ifdef FK_WITH_CUDA
   // ----------------------------------------------------------------- cuda
@@ -461,6 +470,14 @@ PYBIND11_MODULE(_C, m) {
     const cpu::SubsetBatch sub = s.view(b);
     py::gil_scoped_release nogil;
     cuda::frugal_step(t, sub, b.dtype, h, d, stream);
+  });
+  m.def("dqt_update_cuda", [](const Batch& b, const Subsets& s, const Quant& q, const DqtHyper& h,
+                              const cuda::DeviceScalars& d, uintptr_t stream) {
+    const cpu::TensorBatch t = b.view_with_moments();
+    const cpu::SubsetBatch sub = s.view(b);
+    const cpu::QuantBatch quant = q.view(b);
+    py::gil_scoped_release nogil;
+    cuda::dqt_update(t, sub, quant, b.dtype, h, d, stream);
   });
 #endif
 }

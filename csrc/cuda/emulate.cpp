@@ -9,6 +9,7 @@
 #include "kernels.h"
 
 #include "adamw.cuh"
+#include "dqt_update.cuh"
 #include "frugal_step.cuh"
 #include "sign_sgd.cuh"
 
@@ -83,6 +84,29 @@ int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, c
     });
   };
   cuda::with_frugal_types(dtype, sub.index_is_int32, h.state_free, run);
+  return launches;
+}
+
+int64_t dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,
+                   DType grad_dtype, const DqtHyper& h, const cuda::DeviceScalars& d) {
+  if (h.frugal.adamw.found_inf != 0.0) return 0;
+  const cuda::DqtArgs args = cuda::dqt_args(sub, h, d);
+  const std::vector<int64_t> padded = cuda::dqt_padded_numels(q, t.count);
+  int64_t launches = 0;
+  const auto run = [&](auto tag, auto index, auto mode_tag) {
+    using Block = cuda::DqtBlock<decltype(tag), decltype(index), decltype(mode_tag)::value>;
+    launches = cuda::plan_dqt_update(t, sub, q, padded.data(),
+                                     [&](const cuda::DqtMeta& meta, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        const Block block(meta, args, b);
+        // Zeros, not the GPU's undefined contents, as for frugal_step.
+        cuda::DqtShared sh{};
+        block.run_phases(sh, cuda::kDqtThreads,
+                         [&](auto&& phase) { each_thread(cuda::kDqtThreads, phase); });
+      }
+    });
+  };
+  cuda::with_frugal_types(grad_dtype, sub.index_is_int32, h.frugal.state_free, run);
   return launches;
 }
 

@@ -68,6 +68,31 @@ struct FrugalShared {
   int32_t ordinal[kFrugalTile];
 };
 
+// Calls fn(position, q - q_begin) for the members q = q_begin + tid,
+// q_begin + tid + nthreads, ... of a tile (one thread's share of them);
+// (outer, inner) of q advances by a precomputed step instead of a 64-bit
+// division per member.
+template <typename Index, typename Fn>
+FK_HOST_DEVICE void for_members(const SubsetShape& shape, const Index* idx, const TileMembers& tm,
+                                int tid, int nthreads, Fn&& fn) {
+  int64_t q = tm.q_begin + tid;
+  if (q >= tm.q_end) return;
+  const int64_t len = tm.inner_len;
+  int64_t outer = q / len;
+  int64_t inner = q - outer * len;
+  const int64_t step_outer = nthreads / len;
+  const int64_t step_inner = nthreads - step_outer * len;
+  for (; q < tm.q_end; q += nthreads) {
+    fn(member_position(shape, idx, tm, outer, inner), int32_t(q - tm.q_begin));
+    outer += step_outer;
+    inner += step_inner;
+    if (inner >= len) {
+      inner -= len;
+      ++outer;
+    }
+  }
+}
+
 template <typename T, typename Index, StateFree Mode>
 struct FrugalBlock {
   T* p;
@@ -124,28 +149,11 @@ struct FrugalBlock {
     for (int i = tid; i < kFrugalTile; i += nthreads) sh.ordinal[i] = -1;
   }
 
-  // Enters the members of tile t into the table. Thread tid takes members
-  // tid, tid + nthreads, ...; (outer, inner) of q advances by a precomputed
-  // step instead of a 64-bit division per member.
+  // Enters the members of tile t into the table.
   FK_HOST_DEVICE void mark(FrugalShared& sh, int t, int tid, int nthreads) const {
-    const TileMembers tm = sh.tiles[t];
-    int64_t q = tm.q_begin + tid;
-    if (q >= tm.q_end) return;
-    const int64_t len = tm.inner_len;
-    int64_t outer = q / len;
-    int64_t inner = q - outer * len;
-    const int64_t step_outer = nthreads / len;
-    const int64_t step_inner = nthreads - step_outer * len;
     const int64_t a = tile_begin(t);
-    for (; q < tm.q_end; q += nthreads) {
-      sh.ordinal[member_position(shape, idx, tm, outer, inner) - a] = int32_t(q - tm.q_begin);
-      outer += step_outer;
-      inner += step_inner;
-      if (inner >= len) {
-        inner -= len;
-        ++outer;
-      }
-    }
+    for_members(shape, idx, sh.tiles[t], tid, nthreads,
+                [&](int64_t position, int32_t ordinal) { sh.ordinal[position - a] = ordinal; });
   }
 
   // Updates every position of tile t and leaves the table empty again.

@@ -14,6 +14,7 @@
 namespace frugal {
 namespace cuda {
 
+using cpu::QuantBatch;
 using cpu::SubsetBatch;
 using cpu::TensorBatch;
 
@@ -34,6 +35,9 @@ void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, const De
               uintptr_t stream);
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                  const DeviceScalars& d, uintptr_t stream);
+// The batch's params are the packed codes and its dtype the gradients' (as cpu::dqt_update).
+void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q, DType grad_dtype,
+                const DqtHyper& h, const DeviceScalars& d, uintptr_t stream);
 // nvcc version and the architectures compiled in, e.g. "80;90;90-ptx".
 const char* nvcc_version();
 const char* archs();
@@ -42,14 +46,15 @@ const char* archs();
 // or not: the emulator runs with them, and tests size their cases around them.
 struct LaunchLimits {
   int threads;      // per block
-  int64_t chunk;    // elements (frugal_step_: positions) a block owns
-  int64_t tile;     // positions a frugal_step_ tile holds; 0 for kernels without tiles
+  int64_t chunk;    // elements (frugal_step_: positions; dqt_update_: padded positions) a block owns
+  int64_t tile;     // positions a frugal_step_ / dqt_update_ tile holds; 0 for kernels without tiles
   int max_tensors;  // tensors one launch carries
   int max_blocks;   // blocks one launch carries
 };
 LaunchLimits adamw_limits();
 LaunchLimits sign_sgd_limits();
 LaunchLimits frugal_step_limits();
+LaunchLimits dqt_update_limits();
 
 }  // namespace cuda
 
@@ -58,6 +63,7 @@ LaunchLimits frugal_step_limits();
 // the call made, so that tests can tell which limits of the planner they hit.
 namespace cuda_emulated {
 
+using cpu::QuantBatch;
 using cpu::SubsetBatch;
 using cpu::TensorBatch;
 
@@ -66,6 +72,8 @@ int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,
                  const cuda::DeviceScalars& d);
 int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                     const cuda::DeviceScalars& d);
+int64_t dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,
+                   DType grad_dtype, const DqtHyper& h, const cuda::DeviceScalars& d);
 
 }  // namespace cuda_emulated
 }  // namespace frugal

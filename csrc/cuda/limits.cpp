@@ -3,6 +3,7 @@
 #include "kernels.h"
 
 #include "adamw.cuh"
+#include "dqt_update.cuh"
 #include "frugal_step.cuh"
 #include "sign_sgd.cuh"
 
@@ -21,6 +22,10 @@ LaunchLimits sign_sgd_limits() {
 LaunchLimits frugal_step_limits() {
   return LaunchLimits{kFrugalThreads, kFrugalChunk, kFrugalTile, FrugalMeta::kMaxTensors,
                       FrugalMeta::kMaxBlocks};
+}
+
+LaunchLimits dqt_update_limits() {
+  return LaunchLimits{kDqtThreads, kDqtChunk, kDqtTile, DqtMeta::kMaxTensors, DqtMeta::kMaxBlocks};
 }
 
 }  // namespace cuda

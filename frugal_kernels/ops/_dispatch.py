@@ -29,7 +29,7 @@ CAPABILITIES = {
     "frugal::frugal_step_": frozenset(BACKENDS),
     # The GEMMs run in torch (cpu) or in the Triton kernel; no CUDA-C version.
     "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),
-    "frugal::dqt_update_": frozenset(("cpu", "torch")),
+    "frugal::dqt_update_": frozenset(BACKENDS),
     "frugal::dequantize": frozenset(("cpu", "torch")),
 }
 

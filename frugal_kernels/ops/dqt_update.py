@@ -195,12 +195,27 @@ def _cpu(t: Tensors, h: DqtHyper) -> None:
     ext.dqt_update_cpu(*_kernel_batches(ext, t), h.kernel(ext), torch.get_num_threads())
 
 
+def _cuda(t: Tensors, h: DqtHyper) -> None:
+    from frugal_kernels.ops._cuda import launch
+
+    ext = extension()
+    with launch(ext, h, t.grads[0].device) as (hyper, scalars, stream):
+        ext.dqt_update_cuda(*_kernel_batches(ext, t), hyper, scalars, stream)
+
+
+def _triton(t: Tensors, h: DqtHyper) -> None:
+    from frugal_kernels.kernels.triton.dqt_update import dqt_update_
+
+    dqt_update_(t.codes, t.scales, t.grads, t.exp_avgs, t.exp_avg_sqs, t.indices, kind=t.kind,
+                seeds=t.seeds, **h.values())
+
+
 def _torch(t: Tensors, h: DqtHyper) -> None:
     reference.dqt_update_(t.codes, t.scales, t.grads, t.exp_avgs, t.exp_avg_sqs, t.indices,
                           kind=t.kind, seeds=t.seeds, **h.on_host())
 
 
-_IMPLS = {"cpu": _cpu, "torch": _torch}
+_IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
 
 def dqt_update_(codes: Sequence[Tensor], scales: Sequence[Tensor], grads: Sequence[Tensor],

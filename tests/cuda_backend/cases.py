@@ -5,6 +5,7 @@ launch constants, which _C reports from the headers (csrc/cuda/*.cuh)."""
 import pytest
 import torch
 
+from frugal_kernels import _quant
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import STATE_FREE_RULES, subset_dim, subset_state_shape
 
@@ -17,6 +18,9 @@ if _C is None:
 LIMITS = _C.cuda_limits()
 CHUNK = LIMITS["adamw"]["chunk"]
 TILE = LIMITS["frugal_step"]["tile"]
+# dqt_update_'s tiles and chunks count padded positions (rows padded to groups of 8).
+DQT_TILE = LIMITS["dqt_update"]["tile"]
+DQT_CHUNK = LIMITS["dqt_update"]["chunk"]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # lr is a power of two so that a float32 device tensor holds it exactly.
@@ -38,6 +42,28 @@ FRUGAL_SHAPES = {
     "flat": [((1,), 1.0), ((7,), 0.5), ((TILE - 1,), 0.3), ((TILE,), 0.3), ((TILE + 1,), 0.3),
              ((CHUNK + 1,), 0.25), ((40000,), 0.1), ((3000,), 0.0), ((2500,), 1.0)],
 }
+
+
+# dqt_update_: weights [R, C] per subset kind with their state-full fractions:
+# rows shorter than a group many to a tile (C = 1, 5), C not a multiple of 8
+# (padding), a row of exactly one tile, rows that tiles cut, 3-bit fields that
+# straddle bytes at any of these, empty and full subsets.
+DQT_SHAPES = {
+    "rows": [((37, 300), 0.3), ((3, 700), 0.5), ((8, DQT_TILE), 0.4), ((5, 5000), 0.4),
+             ((1, 7), 1.0), ((300, 5), 0.5), ((6, 33), 0.0), ((9, 250), 1.0),
+             ((3000, 1), 0.3)],
+    "columns": [((300, 77), 0.3), ((3, 4500), 0.2), ((20, DQT_TILE), 0.1),
+                ((7, DQT_TILE + 1), 0.5), ((50, 513), 0.25), ((40, 1), 1.0), ((10, 100), 0.0),
+                ((13, 40), 1.0)],
+    "flat": [((1, 1), 1.0), ((7, 1), 0.5), ((DQT_TILE - 1, 1), 0.3), ((3, 2053), 0.3),
+             ((100, 201), 0.25), ((3000, 1), 0.0), ((50, 50), 1.0)],
+}
+
+
+def dqt_padded(shapes):
+    """The padded lengths dqt_update_'s planner cuts into chunks: R rows of C rounded
+    up to a multiple of 8."""
+    return [r * -(-c // 8) * 8 for (r, c), _ in shapes]
 
 
 def launches_for(op, numels):
@@ -131,3 +157,21 @@ def assert_equal(name, got, want):
             raise AssertionError(f"{name}[{i}] (shape {tuple(a.shape)}, {a.dtype}): "
                                  f"{len(bad)} elements differ, first at {list(first)}: "
                                  f"got {a[first].item()!r}, want {b[first].item()!r}")
+
+
+def dqt_data(kind, shapes, bits, dtype, index_dtype, seed):
+    """codes, scales, grads, exp_avgs, exp_avg_sqs, indices for ``shapes`` (pairs of a
+    weight shape [R, C] and a state-full fraction): random codes over the whole range,
+    a scale per row for every other weight; lists of host tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    top = _quant.qmax(bits)
+    q, s, g, m, v, idx = [], [], [], [], [], []
+    for i, (shape, fraction) in enumerate(shapes):
+        q.append(_quant.pack(torch.randint(-top, top + 1, shape, generator=gen), bits))
+        s.append(torch.rand(shape[0] if i % 2 else 1, generator=gen) * 0.02 + 0.01)
+        g.append((0.3 * grads_like(shape, torch.float32, gen)).to(dtype))
+        idx.append(subset(subset_dim(g[-1], kind), fraction, index_dtype, gen))
+        sshape = subset_state_shape(g[-1], kind, idx[-1].numel())
+        m.append(0.1 * torch.randn(sshape, generator=gen))
+        v.append(0.01 * torch.rand(sshape, generator=gen))
+    return q, s, g, m, v, idx

@@ -13,20 +13,22 @@ import torch
 
 from frugal_kernels.ops._common import kernel_batch, subset_batch
 from frugal_kernels.ops.adamw import AdamWHyper
+from frugal_kernels.ops.dqt_update import DqtHyper
 from frugal_kernels.ops.frugal_step import FrugalHyper
 from frugal_kernels.ops.lowrank_step import LowrankHyper
 from frugal_kernels.ops.sign_sgd import SignSgdHyper
 
 from .cases import _C, LIMITS
 
-RECORDS = [AdamWHyper, SignSgdHyper, FrugalHyper, LowrankHyper]
+RECORDS = [AdamWHyper, SignSgdHyper, FrugalHyper, LowrankHyper, DqtHyper]
 
 
 def kernel_values(record):
     """Distinct valid values for the struct's fields (rule codes for rules)."""
     values = {}
     for i, f in enumerate(dataclasses.fields(record)):
-        values[f.name] = {"maximize": True, "state_free": 1}.get(f.name, 0.25 + i)
+        values[f.name] = {"maximize": True, "state_free": 1, "bits": 3,
+                          "rng_step": 2**32 - 1}.get(f.name, 0.25 + i)
     return values
 
 
@@ -89,10 +91,12 @@ def test_batches_check_their_lengths():
 
 
 def test_cuda_limits_describe_every_kernel():
-    assert set(LIMITS) == {"adamw", "sign_sgd", "frugal_step"}
+    assert set(LIMITS) == {"adamw", "sign_sgd", "frugal_step", "dqt_update"}
     for op, limits in LIMITS.items():
         assert limits["max_tensors"] <= 256 and limits["max_blocks"] > 0, op
         assert limits["chunk"] % limits["threads"] == 0, op
-    frugal = LIMITS["frugal_step"]
-    assert frugal["chunk"] % frugal["tile"] == 0
+    for op in ("frugal_step", "dqt_update"):
+        assert LIMITS[op]["chunk"] % LIMITS[op]["tile"] == 0, op
+    # dqt_update_'s threads own groups of eight fields (whole bytes of every code width).
+    assert LIMITS["dqt_update"]["tile"] == 8 * LIMITS["dqt_update"]["threads"]
     assert "tile" not in LIMITS["adamw"]

@@ -22,12 +22,13 @@ import torch
 
 import frugal_kernels
 from frugal_kernels._layout import STATE_FREE_CODES, STATE_FREE_RULES
-from frugal_kernels.ops import adamw, frugal_step, sign_sgd
+from frugal_kernels._quant import QUANT_BITS
+from frugal_kernels.ops import adamw, dqt_update, frugal_step, sign_sgd
 from frugal_kernels.ops._common import kernel_batch, subset_batch
 
-from .cases import (_C, BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES, STEP, TILE,
-                    WD, adamw_data, assert_equal, frugal_data, launches_for, placed,
-                    sign_sgd_data)
+from .cases import (_C, BETA1, BETA2, CHUNK, DQT_CHUNK, DQT_SHAPES, DQT_TILE, DTYPES, EPS,
+                    FRUGAL_SHAPES, LR, SIZES, STEP, TILE, WD, adamw_data, assert_equal, dqt_data,
+                    dqt_padded, frugal_data, launches_for, placed, sign_sgd_data)
 
 
 def placed_lists(data, names, misaligned):
@@ -260,6 +261,121 @@ def test_frugal_step_device_scalars(which):
         assert_equal(name, getattr(pointers, name), getattr(values, name))
 
 
+# ----------------------------------------------------------- dqt_update_
+
+class DqtCase:
+    def __init__(self, kind, shapes, bits, dtype, index_dtype, *, mode="sign", seed=0,
+                 misaligned=()):
+        self.kind, self.bits, self.mode = kind, bits, mode
+        data = dqt_data(kind, shapes, bits, dtype, index_dtype, seed)
+        self.q, self.s, self.g, self.m, self.v, self.idx = placed_lists(data, "qsgmvi",
+                                                                        misaligned)
+        self.seeds = [2**32 - 1 - 977 * i for i in range(len(shapes))]
+
+    def args(self, q, m, v, grads=None, lr=LR, step=STEP, grad_scale=1.0):
+        """The batches and the hyper-parameters, with codes and moments as given."""
+        t = dqt_update.Tensors(q, self.s, self.g if grads is None else grads, m, v, self.idx,
+                               self.kind, self.seeds)
+        return [*dqt_update._kernel_batches(_C, t),
+                _C.DqtHyper(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD,
+                            step=step, state_free=STATE_FREE_CODES[self.mode],
+                            state_free_scale=0.5, grad_scale=grad_scale, found_inf=0.0,
+                            bits=self.bits, rng_step=2**32 - 5)]
+
+    def run_cpu(self):
+        q, m, v = ([t.clone() for t in ts] for ts in (self.q, self.m, self.v))
+        _C.dqt_update_cpu(*self.args(q, m, v), torch.get_num_threads())
+        return q, m, v
+
+    def run_emulated(self, grads=None, lr=LR, step=STEP, grad_scale=1.0, pointers=None):
+        """``pointers``: the DeviceScalars' host addresses, by name."""
+        return _C.dqt_update_cuda_emulated(
+            *self.args(self.q, self.m, self.v, grads, lr, step, grad_scale),
+            _C.DeviceScalars(**(pointers or {})))
+
+    def check(self):
+        before = [t.clone() for t in self.q]
+        want = self.run_cpu()
+        launches = self.run_emulated()
+        for name, got, w in zip(("codes", "exp_avgs", "exp_avg_sqs"), (self.q, self.m, self.v),
+                                want):
+            assert_equal(f"{name} ({self.bits} bits)", got, w)
+        assert any(not torch.equal(a, b) for a, b in zip(self.q, before)), "no code changed"
+        return launches
+
+
+@pytest.mark.parametrize("misaligned", [(), ("g",)], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(DQT_SHAPES))
+def test_dqt_update(kind, dtype, index_dtype, misaligned):
+    """Every code width, each under one state-free rule, against the CPU kernel: the
+    codes (every rounding decision) and the moments bit for bit."""
+    for seed, bits in enumerate(QUANT_BITS):
+        case = DqtCase(kind, DQT_SHAPES[kind], bits, dtype, index_dtype,
+                       mode=STATE_FREE_RULES[seed % 3], seed=seed, misaligned=misaligned)
+        assert case.check() == 1
+
+
+def test_dqt_update_more_tensors_than_one_launch_holds():
+    shapes = [((int(r), int(c)), 0.3) for r, c in
+              torch.randint(1, 120, (50, 2), generator=torch.Generator().manual_seed(10))]
+    case = DqtCase("columns", shapes, 3, torch.bfloat16, torch.int64, seed=10)
+    assert case.check() == launches_for("dqt_update", dqt_padded(shapes)) >= 3
+
+
+def test_dqt_update_more_blocks_than_one_launch_holds():
+    # 330 chunks of padded positions (C = 1001 pads to 1008): the first weight spans
+    # two launches and the next joins it in the second.
+    rows = 330 * DQT_CHUNK // 1008 + 1
+    shapes = [((rows, 1001), 0.2), ((30, 70), 0.5)]
+    case = DqtCase("flat", shapes, 4, torch.float16, torch.int32, seed=11)
+    assert case.check() == launches_for("dqt_update", dqt_padded(shapes)) == 2
+
+
+def test_dqt_update_tile_and_chunk_bounds():
+    """Rows whose padded length puts tile and chunk bounds anywhere in a row, in
+    one call, with rows of a state-full subset cut by them."""
+    shapes = [((3, DQT_CHUNK - 8), 0.7), ((2, DQT_CHUNK + 3), 0.5), ((9, DQT_TILE + 9), 0.5),
+              ((5, 3 * DQT_TILE - 1), 0.4)]
+    for bits in (3, 8):
+        DqtCase("rows", shapes, bits, torch.float32, torch.int64, seed=bits).check()
+
+
+@pytest.mark.parametrize("which", ["lr", "step", "both"])
+def test_dqt_update_device_scalars(which):
+    values = DqtCase("rows", DQT_SHAPES["rows"], 2, torch.float32, torch.int64, seed=12)
+    pointers = DqtCase("rows", DQT_SHAPES["rows"], 2, torch.float32, torch.int64, seed=12)
+    values.run_emulated(**BY_VALUE)
+    kw = by_pointer(which)
+    pointers.run_emulated(lr=kw["lr"], step=kw["step"],
+                          pointers={name: kw[f"{name}_ptr"] for name in ("lr", "step")
+                                    if f"{name}_ptr" in kw})
+    for name in ("q", "m", "v"):
+        assert_equal(name, getattr(pointers, name), getattr(values, name))
+
+
+def test_dqt_update_grad_scaler_on_the_device():
+    """GradScaler's scale read by the kernel gives the unscaled bits (the value beside
+    the pointer is junk, as the ops layer passes); its found_inf leaves everything
+    untouched."""
+    def case():
+        return DqtCase("columns", DQT_SHAPES["columns"], 4, torch.bfloat16, torch.int32,
+                       seed=13)
+
+    want, got, skipped = case(), case(), case()
+    want.run_emulated()
+    scale = torch.tensor(1024.0)
+    got.run_emulated(grads=[g * 1024 for g in got.g], grad_scale=0.0,
+                     pointers={"grad_scale": scale.data_ptr()})
+    before = [[t.clone() for t in ts] for ts in (skipped.q, skipped.m, skipped.v)]
+    found = torch.tensor(1.0)
+    skipped.run_emulated(pointers={"found_inf": found.data_ptr()})
+    for i, name in enumerate(("q", "m", "v")):
+        assert_equal(name, getattr(got, name), getattr(want, name))
+        assert_equal(name, getattr(skipped, name), before[i])
+
+
 # ------------------------------------------------- the ops' cuda glue
 
 class _EmulatedCuda:
@@ -276,7 +392,7 @@ class _EmulatedCuda:
 @pytest.fixture
 def emulated_cuda(monkeypatch):
     fake = _EmulatedCuda()
-    for module in (adamw, sign_sgd, frugal_step):
+    for module in (adamw, sign_sgd, frugal_step, dqt_update):
         monkeypatch.setattr(module, "extension", lambda: fake)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream",
@@ -288,8 +404,8 @@ def _both(module, tensors, hyper):
     ``tensors``; return both results."""
     runs = []
     for backend in (module._cuda, module._cpu):
-        t = type(tensors)(*([x.clone() for x in v] if isinstance(v, list) else v
-                            for v in tensors))
+        t = type(tensors)(*([x.clone() if isinstance(x, torch.Tensor) else x for x in v]
+                            if isinstance(v, list) else v for v in tensors))
         backend(t, hyper)
         runs.append(t)
     return runs
@@ -315,6 +431,13 @@ def test_the_ops_cuda_backends_build_the_same_call_as_the_cpu_ones(emulated_cuda
                                                   None, found))
         for a, b in zip(got[:3], want[:3]):
             assert_equal(f"frugal_step_ {kind}", a, b)
+    for kind, rule in (("rows", "sign"), ("columns", "sgd"), ("flat", "none")):
+        data = dqt_data(kind, DQT_SHAPES[kind], 3, torch.bfloat16, torch.int64, seed=23)
+        got, want = _both(dqt_update, dqt_update.Tensors(*data, kind, list(range(len(data[0])))),
+                          dqt_update.DqtHyper(lr, BETA1, BETA2, EPS, WD, step, rule, 0.5, scale,
+                                              found, 3, 2**31 + 7))
+        for name in ("codes", "exp_avgs", "exp_avg_sqs"):
+            assert_equal(f"dqt_update_ {kind} {name}", getattr(got, name), getattr(want, name))
 
 
 # ------------------------------------------------------------------ build

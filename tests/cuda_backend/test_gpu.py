@@ -11,10 +11,12 @@ import torch
 
 from frugal_kernels import ops
 from frugal_kernels._layout import STATE_FREE_RULES
+from frugal_kernels._quant import QUANT_BITS
 from frugal_kernels.ops import _dispatch
 
-from .cases import (BETA1, BETA2, CHUNK, DTYPES, EPS, FRUGAL_SHAPES, LR, SIZES, STEP, TILE, WD,
-                    adamw_data, assert_equal, frugal_data, placed, sign_sgd_data)
+from .cases import (BETA1, BETA2, CHUNK, DQT_CHUNK, DQT_SHAPES, DTYPES, EPS, FRUGAL_SHAPES, LR,
+                    SIZES, STEP, TILE, WD, adamw_data, assert_equal, dqt_data, frugal_data, placed,
+                    sign_sgd_data)
 
 pytestmark = pytest.mark.gpu
 
@@ -174,6 +176,67 @@ def test_frugal_step_over_steps():
 def test_frugal_step_device_scalars_without_host_sync(kind):
     check_frugal_step(kind, FRUGAL_SHAPES[kind], torch.bfloat16, torch.int32, "sign", seed=8,
                       steps=3, scalars_on_device=True)
+
+
+# ----------------------------------------------------------- dqt_update_
+
+def check_dqt_update(kind, shapes, bits, dtype, index_dtype, state_free, *, seed=0,
+                     misaligned=False, steps=1, scalars_on_device=False):
+    q, s, g, m, v, idx = dqt_data(kind, shapes, bits, dtype, index_dtype, seed)
+    dq, ds, dm, dv, didx = (on_gpu(ts) for ts in (q, s, m, v, idx))
+    dg = on_gpu(g, misaligned)
+    common = dict(kind=kind, bits=bits, seeds=[2**32 - 1 - i for i in range(len(q))],
+                  state_free=state_free, state_free_scale=0.5)
+    lr, step = device_scalars() if scalars_on_device else (LR, STEP)
+    for i in range(steps):
+        ops.dqt_update_(q, s, g, m, v, idx, **common, **hyper(step=STEP + i), rng_step=i,
+                        backend="cpu")
+        if scalars_on_device:
+            with no_host_sync():
+                ops.dqt_update_(dq, ds, dg, dm, dv, didx, **common, **hyper(lr=lr, step=step),
+                                rng_step=i, backend="cuda", check_indices=False)
+            step += 1
+        else:
+            ops.dqt_update_(dq, ds, dg, dm, dv, didx, **common, **hyper(step=STEP + i),
+                            rng_step=i, backend="cuda")
+    for name, got, want in zip(("codes", "exp_avgs", "exp_avg_sqs"), (dq, dm, dv), (q, m, v)):
+        assert_equal(f"{name} ({bits} bits)", got, want)
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(DQT_SHAPES))
+def test_dqt_update(kind, dtype, index_dtype, misaligned):
+    for seed, bits in enumerate(QUANT_BITS):
+        check_dqt_update(kind, DQT_SHAPES[kind], bits, dtype, index_dtype,
+                         STATE_FREE_RULES[seed % 3], seed=seed, misaligned=misaligned)
+
+
+def test_dqt_update_many_tensors_and_blocks():
+    sizes = torch.randint(1, 120, (50, 2), generator=torch.Generator().manual_seed(10))
+    check_dqt_update("columns", [((int(r), int(c)), 0.3) for r, c in sizes], 3, torch.bfloat16,
+                     torch.int64, "sign", seed=10)
+    rows = 330 * DQT_CHUNK // 1008 + 1
+    check_dqt_update("flat", [((rows, 1001), 0.2), ((30, 70), 0.5)], 4, torch.float16,
+                     torch.int32, "sign", seed=11)
+
+
+def test_dqt_update_over_steps():
+    check_dqt_update("rows", DQT_SHAPES["rows"], 2, torch.float32, torch.int64, "sgd", seed=12,
+                     steps=4)
+
+
+@pytest.mark.parametrize("kind", list(DQT_SHAPES))
+def test_dqt_update_device_scalars_without_host_sync(kind):
+    check_dqt_update(kind, DQT_SHAPES[kind], 3, torch.bfloat16, torch.int32, "sign", seed=13,
+                     steps=3, scalars_on_device=True)
+
+
+def test_auto_picks_cuda_for_every_op_that_has_it():
+    for op, backends in ops.CAPABILITIES.items():
+        want = "cuda" if "cuda" in backends else "triton"
+        assert ops.resolve("auto", torch.device("cuda"), op) == want, op
 
 
 def test_launches_follow_the_current_stream():

@@ -42,7 +42,8 @@ PROPERTY_SETTINGS = dict(deadline=None, derandomize=True, database=None,
 
 def _usable(backend: str, op: str) -> bool:
     if backend == "cuda_emulated":
-        return extension() is not None and hasattr(extension(), f"{op}_cuda_emulated")
+        # op is the op's name, "adamw_"; the binding's entry is adamw_cuda_emulated.
+        return extension() is not None and hasattr(extension(), f"{op}cuda_emulated")
     return backend in CAPABILITIES[f"frugal::{op}"] and \
         _dispatch.unavailable_reason(backend, "cpu", f"frugal::{op}") is None
 
@@ -181,28 +182,39 @@ def test_every_op_has_a_strategy():
 def _emulated(op_name):
     """The functional face of ``op_name`` on the emulated CUDA grid: the ops'
     own kernel records, the emulated kernels of the binding."""
-    from frugal_kernels.ops import adamw, frugal_step, sign_sgd
+    from frugal_kernels.ops import adamw, dqt_update, frugal_step, sign_sgd
 
     ext = extension()
     no_pointers = ext.DeviceScalars(lr=0, step=0)
+    no_scaler = dict(grad_scale=None, found_inf=None)
 
     def run(*lists, step=None, **hyper):
+        # Weights without elements are left out, as the ops do (for dqt_update_
+        # the packed codes of an empty weight are empty too).
         keep = [i for i, p in enumerate(lists[0]) if p.numel() > 0]
         lists = [[lst[i] for i in keep] for lst in lists]
         if not keep:
             return
         if op_name == "adamw_":
             p, g, m, v = lists
-            h = adamw.AdamWHyper(step=step, **hyper)
+            h = adamw.AdamWHyper(step=step, **hyper, **no_scaler)
             ext.adamw_cuda_emulated(kernel_batch(ext, p, g, m, v), h.kernel(ext), no_pointers)
         elif op_name == "sign_sgd_":
             p, g = lists
-            h = sign_sgd.SignSgdHyper(**hyper)
+            h = sign_sgd.SignSgdHyper(**hyper, **no_scaler)
             ext.sign_sgd_cuda_emulated(kernel_batch(ext, p, g), h.kernel(ext), no_pointers)
+        elif op_name == "dqt_update_":
+            kind = hyper.pop("kind")
+            seeds = hyper.pop("seeds")
+            seeds = [seeds[i] for i in keep]
+            h = dqt_update.DqtHyper(step=step, **hyper, **no_scaler)
+            t = dqt_update.Tensors(*lists, kind, seeds)
+            ext.dqt_update_cuda_emulated(*dqt_update._kernel_batches(ext, t), h.kernel(ext),
+                                         no_pointers)
         else:
             p, g, m, v, idx = lists
             kind = hyper.pop("kind")
-            h = frugal_step.FrugalHyper(step=step, **hyper)
+            h = frugal_step.FrugalHyper(step=step, **hyper, **no_scaler)
             ext.frugal_step_cuda_emulated(kernel_batch(ext, p, g, m, v),
                                           subset_batch(ext, p, idx, kind),
                                           h.kernel(ext), no_pointers)

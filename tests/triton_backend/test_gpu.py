@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 
-from frugal_kernels import ops
+from frugal_kernels import _quant, ops
 from frugal_kernels._layout import subset_dim
 from frugal_kernels._layout import subset_state_shape as state_shape
 
@@ -103,6 +103,55 @@ def test_frugal_step(kind, dtype, where):
             assert_same_bits(a, e, f"{name} at step {step}")
 
 
+# dqt_update_: weights [R, C] per kind, with short rows many to a tile, rows cut
+# by tiles, and one of ~1000 tiles; every code width, in a call of its own.
+DQT_CASES = {
+    "rows": [((700, 7), 0.5), ((3, 2500), 0.67), ((1024, 1000), 0.25)],
+    "columns": [((700, 7), 0.43), ((3, 2500), 0.5), ((1000, 1024), 0.25)],
+    "flat": [((700, 7), 0.5), ((1000, 1000), 0.25), ((4097, 1), 0.99)],
+}
+
+
+# fp32 gradients with host scalars, bf16 with device ones: each kind compiles 4
+# code widths x 2 variants, not x 4.
+@pytest.mark.parametrize("dtype, where", [(torch.float32, "host"), (torch.bfloat16, "device")],
+                         ids=["fp32-host", "bf16-device"])
+@pytest.mark.parametrize("kind", ["rows", "columns", "flat"])
+def test_dqt_update(kind, dtype, where):
+    """The codes (every rounding decision) and the moments equal the cpu backend's."""
+    gen = torch.Generator().manual_seed(3)
+    for bits in _quant.QUANT_BITS:
+        top = _quant.qmax(bits)
+        codes, scales, indices, moments = [], [], [], []
+        for i, (shape, density) in enumerate(DQT_CASES[kind]):
+            codes.append(_quant.pack(torch.randint(-top, top + 1, shape, generator=gen), bits))
+            scales.append(torch.rand(shape[0] if i % 2 else 1, generator=gen) * 0.02 + 0.01)
+            n = subset_dim(torch.empty(shape, device="meta"), kind)
+            indices.append(torch.randperm(n, generator=gen)[:round(n * density)].sort().values)
+            moments.append(torch.zeros(state_shape(torch.empty(shape, device="meta"), kind,
+                                                   indices[-1].numel())))
+        ours = [[t.cuda() for t in codes], [m.cuda() for m in moments],
+                [m.cuda() for m in moments]]
+        theirs = [[t.clone() for t in codes], [m.clone() for m in moments],
+                  [m.clone() for m in moments]]
+        common = dict(bits=bits, kind=kind, seeds=list(range(len(codes))), state_free="sign",
+                      state_free_scale=0.5, **HYPER)
+        for step in range(1, 4):
+            grads = [(0.3 * torch.randn(shape, generator=gen)).to(dtype)
+                     for shape, _ in DQT_CASES[kind]]
+            lr, step_value = scalars(2e-2, step, where)
+            ops.dqt_update_(ours[0], [s.cuda() for s in scales], [g.cuda() for g in grads],
+                            *ours[1:], [idx.int().cuda() for idx in indices], lr=lr,
+                            step=step_value, rng_step=step, backend="triton", **common)
+            ops.dqt_update_(theirs[0], scales, grads, *theirs[1:], indices, lr=2e-2, step=step,
+                            rng_step=step, backend="cpu", **common)
+            for i, (a, e) in enumerate(zip(ours[0], theirs[0])):
+                differ = int((a.cpu() != e).sum())
+                assert differ == 0, f"codes[{i}] ({bits} bits) at step {step}: {differ} bytes"
+            for name, a, e in zip(("exp_avgs", "exp_avg_sqs"), ours[1:], theirs[1:]):
+                assert_same_bits(a, e, f"{name} ({bits} bits) at step {step}")
+
+
 # lowrank_step_: (shape, rank, side) with ragged tiles (64 x 64 x 32), rank 1,
 # ranks past BLOCK_K, and one tensor of ~250 tiles.
 LOWRANK_CASES = [((65, 130), 1, 0), ((129, 1030), 70, 1), ((1000, 1024), 96, 0),
@@ -172,6 +221,8 @@ def test_device_scalars_do_not_sync():
     proj = torch.linalg.qr(torch.randn(100, 8, device="cuda"))[0].t().contiguous()
     low = torch.randn(100, 8, device="cuda")
     lr, step = scalars(1e-3, 2, "device")
+    codes = torch.zeros(100, 50, dtype=torch.uint8, device="cuda")
+    scale = torch.full((1,), 0.01, device="cuda")
 
     def run():
         ops.adamw_([p], [g], [m], [v], lr=lr, step=step, backend="triton", **HYPER)
@@ -181,6 +232,9 @@ def test_device_scalars_do_not_sync():
                          backend="triton", check_indices=False, **HYPER)
         ops.lowrank_step_([p.view(100, 100)], [g.view(100, 100)], [low], [low], [proj], [0],
                           lr=lr, backend="triton")
+        ops.dqt_update_([codes], [scale], [g.view(100, 100)], [fm], [fv], [idx], bits=4,
+                        kind="flat", seeds=[1], rng_step=2, lr=lr, step=step, backend="triton",
+                        check_indices=False, **HYPER)
 
     run()  # compiles the kernels
     torch.cuda.synchronize()

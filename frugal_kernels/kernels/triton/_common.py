@@ -173,6 +173,17 @@ def find_tile(table, n_tensors):
 
 
 @triton.jit
+def lower_bound(idx_ptr, lo, hi, key):
+    """First j in [lo, hi) with idx[j] >= key (hi if none), as frugal_tile.h ``lower_bound``."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        below = tl.load(idx_ptr + mid).to(tl.int64) < key
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
 def amp_in_kernel(amp, count, AMP: tl.constexpr):
     """(inverse grad scale, positions to update) of a tile: no positions when a
     GradScaler found an inf, decided on the device."""

@@ -41,8 +41,8 @@ import triton.language as tl
 from frugal_kernels.kernels.triton._common import (
     TL_DTYPES, TL_INDEX_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, amp_in_kernel,
     amp_scalars, device_scalars,
-    f64_bits, field_ptr, find_tile, from_param, launch_table, load_tile, log_beta, sign_scalars,
-    start, store_tile, tail_f64, tail_scalar, to_param)
+    f64_bits, field_ptr, find_tile, from_param, launch_table, load_tile, log_beta, lower_bound,
+    sign_scalars, start, store_tile, tail_f64, tail_scalar, to_param)
 from frugal_kernels.kernels.triton.adamw import adamw_update
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
 from frugal_kernels._layout import STATE_FREE_CODES, matrix_view
@@ -56,17 +56,6 @@ _RECORD = tl.constexpr(8)  # table fields per tensor: p, g, m, v, indices, numel
 
 
 @triton.jit
-def _lower_bound(idx_ptr, lo, hi, key):
-    """First j in [lo, hi) with idx[j] >= key (hi if none), as frugal_tile.h ``lower_bound``."""
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        below = tl.load(idx_ptr + mid).to(tl.int64) < key
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(below, hi, mid)
-    return lo
-
-
-@triton.jit
 def _tile_members(idx_ptr, a, b, C, k, COLUMNS: tl.constexpr):
     """frugal_tile.h ``tile_members`` of the tile [a, b): (q_begin, q_end, inner_len,
     outer_base, slot_base)."""
@@ -74,13 +63,13 @@ def _tile_members(idx_ptr, a, b, C, k, COLUMNS: tl.constexpr):
     r1 = (b - 1) // C
     if COLUMNS:
         zero = tl.full((), 0, tl.int64)
-        q_begin = _lower_bound(idx_ptr, zero, k, a - r0 * C)
-        q_end = (r1 - r0) * k + _lower_bound(idx_ptr, zero, k, b - r1 * C)
+        q_begin = lower_bound(idx_ptr, zero, k, a - r0 * C)
+        q_end = (r1 - r0) * k + lower_bound(idx_ptr, zero, k, b - r1 * C)
         inner_len = k
         outer_base = r0
     else:
-        lo = _lower_bound(idx_ptr, tl.full((), 0, tl.int64), k, r0)
-        hi = _lower_bound(idx_ptr, lo, k, r1 + 1)
+        lo = lower_bound(idx_ptr, tl.full((), 0, tl.int64), k, r0)
+        hi = lower_bound(idx_ptr, lo, k, r1 + 1)
         # Only the tile's first and last rows can be cut by its bounds.
         first = tl.load(idx_ptr + lo, mask=lo < hi, other=-1).to(tl.int64)
         last = tl.load(idx_ptr + (hi - 1), mask=lo < hi, other=-1).to(tl.int64)
