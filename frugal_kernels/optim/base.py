@@ -34,6 +34,10 @@ _ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 # What a step does when a gradient holds a NaN or an infinity (see FusedOptimizer.step).
 NONFINITE_POLICIES = ("skip", "raise", "propagate")
 
+# The key of a plan of one bucket per tensor (a step in backward), which no ordinary
+# step's key (a tuple) equals.
+_PER_TENSOR = "per tensor"
+
 
 class FusedOptimizer(Optimizer):
     """Base of the optimizers whose step is a few fused op calls (see the module docstring)."""
@@ -60,6 +64,11 @@ class FusedOptimizer(Optimizer):
         self._lr_tensors: Dict[int, Tensor] = {}
         self._steps: Optional[Tensor] = None
         self._steps_plan: Optional[List[Bucket]] = None  # the plan self._steps counts for
+        # While _begin_tensor_steps chooses subspaces: the gradients are still to come.
+        self._grads_arriving = False
+        # A step in backward: each tensor's own bucket, and where each tensor is.
+        self._tensor_buckets: Dict[Tensor, Bucket] = {}
+        self._tensor_index: Dict[Tensor, Tuple[int, int]] = {}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------- subclass hooks
@@ -177,11 +186,7 @@ class FusedOptimizer(Optimizer):
                 raise ValueError(f"{_param_name(*bad)} has a non-finite gradient (NaN or inf); "
                                  "the step was not applied (nonfinite='raise')")
         self._prepare_plan(key)
-        for gi, group in enumerate(self.param_groups):
-            if not isinstance(group["lr"], Tensor):
-                # A group whose tensors have no gradients yet has no bucket, so
-                # its lr tensor may not exist yet.
-                self._group_lr(gi, group).fill_(group["lr"])
+        self._fill_lrs()
         if self._steps_plan is not self._plan:
             # The counters are replaced only when the plan is rebuilt (new moments, a
             # loaded state dict): packed once per plan.
@@ -247,6 +252,14 @@ class FusedOptimizer(Optimizer):
         for bucket, bucket_grads in zip(buckets, grads):
             plan.run(bucket, bucket_grads, self.state, self.backend, grad_scale)
 
+    def _fill_lrs(self) -> None:
+        """Copy each float lr into its group's lr tensor (read by the op calls)."""
+        for gi, group in enumerate(self.param_groups):
+            if not isinstance(group["lr"], Tensor):
+                # A group whose tensors have no gradients yet has no bucket, so
+                # its lr tensor may not exist yet.
+                self._group_lr(gi, group).fill_(group["lr"])
+
     def _group_lr(self, gi: int, group: dict) -> Tensor:
         """A group's lr as a tensor. A float lr (what LR schedulers set) is
         copied into a tensor of the optimizer's each step, outside compiled
@@ -257,6 +270,72 @@ class FusedOptimizer(Optimizer):
         if gi not in self._lr_tensors:
             self._lr_tensors[gi] = torch.tensor(float(group["lr"]), dtype=torch.float64)
         return self._lr_tensors[gi]
+
+    # ---------------------------------------------------------- steps in backward
+    # frugal_kernels.step_in_backward drives one step as these calls: _begin_tensor_steps
+    # once, _step_tensor for each tensor as backward completes its gradient, and
+    # _end_tensor_steps once backward is done. Each tensor takes the update the ordinary
+    # step gives it, from the same pieces: _before_plan's changes, _assign's rule and a
+    # plan bucket holding that one tensor, run by plan.run.
+
+    def _tensor_steps_refused(self) -> Optional[str]:
+        """Why this optimizer, as set up now, cannot step its tensors one at a time (None
+        when it can)."""
+        if self.nonfinite == "skip":
+            return ("nonfinite='skip' skips the whole step when any gradient is non-finite, "
+                    "which needs every gradient before the first tensor is updated; build the "
+                    "optimizer with nonfinite='raise' (a non-finite gradient raises from "
+                    "backward, naming its parameter; the tensors stepped before it keep their "
+                    "update) or nonfinite='propagate'")
+        return None
+
+    def _begin_tensor_steps(self) -> None:
+        """The part of a step that needs no gradient, before its first tensor: the groups'
+        checks, the step count and subspace changes, the lr tensors. A choice that reads a
+        gradient (svd's subspace) waits for its tensor's (``Subspace.arriving``)."""
+        reason = self._tensor_steps_refused()
+        if reason is not None:
+            raise ValueError(f"{type(self).__name__} cannot step in backward: {reason}")
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"param group {gi}")
+        self._grads_arriving = True
+        try:
+            self._before_plan()
+        finally:
+            self._grads_arriving = False
+        if self._plan is None or self._plan_key is not _PER_TENSOR:
+            # One bucket per tensor, made at the tensor's first step since the plan was
+            # last invalidated; the ordinary step rebuilds its own (the key differs).
+            self._plan, self._plan_key = [], _PER_TENSOR
+            self._tensor_buckets = {}
+        self._fill_lrs()
+        self._tensor_index = {p: (gi, i) for gi, group in enumerate(self.param_groups)
+                              for i, p in enumerate(group["params"])}
+
+    def _step_tensor(self, p: Tensor) -> None:
+        """Update ``p`` with its gradient, complete now, as the ordinary step would."""
+        gi, i = self._tensor_index[p]
+        g = p.grad
+        if g.layout is not torch.strided or g.dtype is not p.dtype or not p.is_contiguous():
+            _refuse_gradient(gi, i, p)
+        if self.nonfinite == "raise" and not bool(g.isfinite().all()):
+            raise ValueError(f"{_param_name(gi, i, p)} has a non-finite gradient (NaN or inf); "
+                             "its update was not applied (nonfinite='raise'); the tensors "
+                             "stepped before it in this backward keep theirs")
+        bucket = self._tensor_buckets.get(p)
+        if bucket is None:
+            group = self.param_groups[gi]
+            bucket = plan.single(gi, group, i, p, self.state, self._assign, self._group_lr)
+            self._tensor_buckets[p] = bucket
+            self._plan.append(bucket)
+        if bucket.assignment.stateful:
+            # The count after this update, as the ordinary step's packed counters hold it.
+            self.state[p]["step"].add_(1.0)
+        plan.run(bucket, [g], self.state, self.backend)
+
+    def _end_tensor_steps(self) -> None:
+        """After the step's last tensor."""
+        self._after_plan()
 
     # ------------------------------------------------------------- checkpoints
 

@@ -31,7 +31,7 @@ from frugal_kernels.ops import unchecked
 from frugal_kernels._layout import inverse_grad_scale, lowrank_side, project
 
 __all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
-           "run", "signature", "pack_step_counters"]
+           "run", "signature", "single", "pack_step_counters"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,14 @@ def build(param_groups: Sequence[dict], state,
                 bucket = buckets[key] = Bucket(assignment, group, group_lr(gi, group))
             bucket.params.append(p)
     return list(buckets.values())
+
+
+def single(gi: int, group: dict, i: int, p: Tensor, state,
+           assign: Callable[[int, dict, int, Tensor], Assignment],
+           group_lr: Callable[[int, dict], Tensor]) -> Bucket:
+    """The bucket of ``p`` alone (``group["params"][i]``), as :func:`build` would make it:
+    the plan of a tensor stepped on its own, when backward completes its gradient."""
+    return Bucket(assign(gi, group, i, p), group, group_lr(gi, group), [p])
 
 
 def pack_step_counters(plan: Sequence[Bucket], state) -> Optional[Tensor]:
