@@ -367,10 +367,12 @@ class StepInBackward:
 
     # --------------------------------------------------------------------- DDP
 
-    def _ddp_comm_hook(self, state: Any, bucket) -> torch.futures.Future:
+    def _ddp_comm_hook(self, state: Any, bucket):
         """All-reduce the bucket as DDP's default hook does; in a step, then update its
         tensors with the averaged gradients (as DDP's hook for torch's own
-        optimizer-in-backward, optimizer_overlap_hooks._apply_optim_in_backward_hook)."""
+        optimizer-in-backward, optimizer_overlap_hooks._apply_optim_in_backward_hook).
+        Returns a Future[Tensor] (unannotated: DDP checks the annotation as an object,
+        and this module's annotations are strings)."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         fut = allreduce_hook(self._ddp.process_group, bucket)
