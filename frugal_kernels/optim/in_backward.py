@@ -36,6 +36,7 @@ are refused (docs/optimizers.md).
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -134,6 +135,8 @@ class StepInBackward:
         steps: steps taken in backward so far.
         peak_grad_bytes: the most bytes of gradients of the optimizer's tensors alive at
             once during the last step's backward passes (each counted at its hook).
+        step_seconds: host time the last step spent in the optimizer, inside backward (on
+            a GPU the kernels run on asynchronously; synchronize in the hooks to time them).
     """
 
     def __init__(self, optimizer: Optimizer, accumulation_steps: int,
@@ -180,6 +183,7 @@ class StepInBackward:
         self.micro_batch = 0
         self.steps = 0
         self.peak_grad_bytes = 0
+        self.step_seconds = 0.0
         self._tensor_steps = steps
         self._ddp = ddp
         self._hooks: Dict[Tensor, Any] = {}
@@ -309,7 +313,8 @@ class StepInBackward:
         if completes:
             # Set first: an error in the step's start ends the step (_abandon).
             self._stepping = True
-            with torch.no_grad():
+            self.step_seconds = 0.0
+            with _timed(self), torch.no_grad():
                 self._tensor_steps._begin_tensor_steps()
 
     def _count_grad(self, p: Tensor) -> None:
@@ -327,7 +332,7 @@ class StepInBackward:
                 coef = torch.clamp(self.max_grad_norm /
                                    (torch.linalg.vector_norm(p.grad) + _CLIP_EPS), max=1.0)
             p.grad.mul_(coef.to(p.grad.device))
-        with torch.no_grad():
+        with _timed(self), torch.no_grad():
             self._tensor_steps._step_tensor(p)
         self._stepped.add(p)
         p.grad = None
@@ -345,7 +350,7 @@ class StepInBackward:
             for p in list(self._hooks):
                 if p.grad is not None and p not in self._stepped:
                     self._step(p)
-            with torch.no_grad():
+            with _timed(self), torch.no_grad():
                 self._tensor_steps._end_tensor_steps()
         finally:
             self._finish_step()
@@ -398,6 +403,16 @@ class StepInBackward:
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
+
+
+@contextlib.contextmanager
+def _timed(handle: StepInBackward) -> Iterator[None]:
+    """Add the time inside to ``handle.step_seconds``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        handle.step_seconds += time.perf_counter() - start
 
 
 def _bookkeeping_step(handle: StepInBackward) -> Callable:
