@@ -233,8 +233,6 @@ class StepInBackward:
             opt.__dict__.pop(name, None)
             if saved is not None:
                 opt.__dict__[name] = saved
-        if hasattr(opt, "_plan"):
-            opt._plan = None  # the ordinary step buckets its tensors again
 
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:

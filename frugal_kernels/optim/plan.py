@@ -9,6 +9,10 @@ it is built outside torch.compile's graphs and reused between changes.
 
 A new rule (a quantized update, say) is a new entry in :data:`RUNNERS`.
 
+A step inside backward (:func:`frugal_kernels.step_in_backward`) updates each
+tensor on its own, as its gradient completes: its plan is one bucket per tensor
+(:func:`single`), run the same way.
+
 A bucket's first call goes through the registered ops, which check every
 argument; the calls after it, while its params are the tensors that call
 checked (same storage, shape and dtype), take the ops' unchecked faces

@@ -34,3 +34,16 @@ def test_a_fresh_process_measures_the_same_held_bytes():
     there = in_backward._in_fresh_process(preset="tiny", name="frugal_rho0.25", in_backward=True,
                                           batch_size=1, seq_len=16)
     assert there["held_bytes"] == here["held_bytes"] and there["loss"] == here["loss"]
+
+
+def test_the_bench_command_runs_the_section(tmp_path, capsys, monkeypatch):
+    from frugal_kernels.__main__ import main
+
+    # In this process: the fresh one is tested above, and each costs an import of torch.
+    monkeypatch.setattr(in_backward, "_in_fresh_process", in_backward.measure_step)
+    assert main(["bench", "--only", "in_backward", "--quick", "--preset", "tiny",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "ordinary vs step in backward (tiny" in printed and "Target at 1 x 64" in printed
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert [n.rsplit(".", 1)[1] for n in written] == ["json", "md"]
