@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from frugal_kernels.optim import swap as _swap
+from frugal_kernels.optim.base import check_int, check_number
 
 __all__ = ["CLIP_SCOPES", "StepInBackward", "step_in_backward", "handle_of"]
 
@@ -141,16 +142,14 @@ class StepInBackward:
 
     def __init__(self, optimizer: Optimizer, accumulation_steps: int,
                  max_grad_norm: Optional[float], clip: str, ddp):
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
-                or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be an int >= 1, got "
-                             f"{accumulation_steps!r}")
+        check_int(accumulation_steps, "accumulation_steps", 1, "step_in_backward")
         if clip not in CLIP_SCOPES:
             raise ValueError(f"clip must be one of {', '.join(CLIP_SCOPES)}; got {clip!r}")
         if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
-                    or not max_grad_norm > 0:
-                raise ValueError(f"max_grad_norm must be a number > 0, got {max_grad_norm!r}")
+            check_number(max_grad_norm, "max_grad_norm", "step_in_backward")
+            if not max_grad_norm > 0:
+                raise ValueError(f"step_in_backward: max_grad_norm must be > 0, got "
+                                 f"{max_grad_norm!r}")
             if clip == "global" and accumulation_steps > 1:
                 raise ValueError(
                     "a global-norm clip with accumulation_steps > 1 needs the norm of the "

@@ -310,8 +310,13 @@ def test_refusals_name_what_to_change():
     with pytest.raises(TypeError, match="step_in_backward takes"):
         fk.step_in_backward(torch.optim.RMSprop(proj + reg))
     opt = fk.FRUGAL(groups(proj, reg), nonfinite="raise")
+    for bad in (dict(accumulation_steps=True), dict(accumulation_steps=2.0),
+                dict(max_grad_norm="1")):
+        with pytest.raises(TypeError):
+            fk.step_in_backward(opt, **bad)
     for bad, message in [(dict(accumulation_steps=0), "accumulation_steps"),
                          (dict(max_grad_norm=-1.0), "max_grad_norm"),
+                         (dict(max_grad_norm=float("inf")), "max_grad_norm"),
                          (dict(clip="layer"), "clip must be one of"),
                          (dict(max_grad_norm=1.0, clip="global", accumulation_steps=2),
                           "accumulation_steps > 1")]:
