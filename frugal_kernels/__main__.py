@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "<out>/<device-id>.json, .md and .png.")
     bench.add_argument("--device", default="auto", type=_device_name,
                        help="cpu, cuda or auto (default)")
-    bench.add_argument("--quick", action="store_true", help="a short run (under a minute on a CPU)")
+    bench.add_argument("--quick", action="store_true", help="a short run (a minute or two on a CPU)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"),
                        help="folder for the results (default: bench/results)")
     from frugal_kernels.bench import SECTIONS as bench_sections
