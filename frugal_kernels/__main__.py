@@ -84,6 +84,7 @@ def _bench(args: argparse.Namespace) -> int:
                        with_optimizers="optimizers" in sections and not args.no_optimizers,
                        with_overhead="overhead" in sections and not args.no_overhead,
                        with_dqt="dqt" in sections,
+                       with_in_backward="in_backward" in sections and not args.no_in_backward,
                        preset=args.preset, rounds=args.rounds,
                        command="frugal-kernels " + " ".join(sys.argv[1:]))
     print(markdown(result))
@@ -355,9 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "<out>/<device-id>.json, .md and .png.")
     bench.add_argument("--device", default="auto", type=_device_name,
                        help="cpu, cuda or auto (default)")
-    bench.add_argument("--quick", action="store_true", help="a short run (under a minute on a CPU)")
+    bench.add_argument("--quick", action="store_true", help="a short run (a minute or two on a CPU)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"),
                        help="folder for the results (default: bench/results)")
+    from frugal_kernels.bench import SECTIONS as bench_sections
     from frugal_kernels.bench.ops import OP_NAMES
     from frugal_kernels.model import PRESETS
 
@@ -367,13 +369,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-optimizers", action="store_true", help="skip the optimizer steps")
     bench.add_argument("--no-overhead", action="store_true",
                        help="skip the host-overhead steps")
-    bench.add_argument("--only", nargs="+", metavar="SECTION",
-                       choices=("ops", "optimizers", "overhead", "dqt"),
+    bench.add_argument("--no-in-backward", action="store_true",
+                       help="skip the step-memory comparison, ordinary vs step in backward")
+    bench.add_argument("--only", nargs="+", metavar="SECTION", choices=bench_sections,
                        help="run only these sections: ops, optimizers, overhead (the host time "
-                            "per step on LLaMA-130M's tensor structure with tiny tensors), dqt "
-                            "(QuantLinear storage and a whole training step of one layer)")
-    bench.add_argument("--preset", choices=sorted(PRESETS), help="model shape of the optimizer part (default 130m, "
-                                        "20m with --quick)")
+                            "per step on LLaMA-130M's tensor structure with tiny tensors), "
+                            "in_backward (the memory of a LLaMA-20m training step, ordinary "
+                            "vs frugal_kernels.step_in_backward), dqt (QuantLinear storage and "
+                            "a whole training step of one layer)")
+    bench.add_argument("--preset", choices=sorted(PRESETS),
+                       help="model shape of the optimizer part (default 130m, 20m with --quick) "
+                            "and of the in_backward part (default 20m)")
     bench.add_argument("--rounds", type=_positive_int, help="timing rounds per candidate")
     bench.set_defaults(func=_bench)
     return parser

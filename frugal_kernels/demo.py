@@ -28,7 +28,7 @@ from frugal_kernels import tuned as tuned_lrs
 from frugal_kernels.data import TokenDataset, load_corpus
 from frugal_kernels.model import LlamaForCausalLM
 from frugal_kernels.nn import quantize_
-from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam
+from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam, step_in_backward
 from frugal_kernels.peers import PEERS, missing
 from frugal_kernels.train import OptimizerFactory, RunResult, TrainConfig, lr_groups, train
 
@@ -81,6 +81,17 @@ def _frugal(model, config: TrainConfig) -> FRUGAL:
                   density=0.25, update_gap=UPDATE_GAP, projection="blocks")
 
 
+def _frugal_in_backward(model, config: TrainConfig) -> FRUGAL:
+    """The frugal row's optimizer stepping each tensor inside backward. Its gradients are
+    clipped by the global norm as the other rows' (config.grad_clip), which takes a first
+    backward pass for the norm (StepInBackward.norm_pass, run by train); nonfinite="raise"
+    as "skip" needs every gradient first (the gradients here are finite)."""
+    opt = FRUGAL(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
+                 density=0.25, update_gap=UPDATE_GAP, projection="blocks", nonfinite="raise")
+    step_in_backward(opt, max_grad_norm=config.grad_clip, clip="global")
+    return opt
+
+
 def _adafrugal(model, config: TrainConfig) -> AdaFRUGAL:
     return AdaFRUGAL(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
                      rho_start=0.25, rho_end=0.05, rho_steps=config.steps,
@@ -128,6 +139,10 @@ def _dqt_rows() -> dict[str, DemoOptimizer]:
 OPTIMIZERS: dict[str, DemoOptimizer] = {
     "adamw": DemoOptimizer("AdamW", "tab:gray", _adamw),
     "frugal": DemoOptimizer("FRUGAL rho=0.25", "tab:blue", _frugal),
+    # The same optimizer, each tensor stepped in backward: the frugal row's loss with one
+    # gradient alive at a time; it takes the frugal row's tuning.
+    "frugal+inbwd": DemoOptimizer("FRUGAL rho=0.25, step in backward", "tab:cyan",
+                                  _frugal_in_backward, tuned_as="frugal"),
     "adafrugal": DemoOptimizer("AdaFRUGAL rho 0.25->0.05", "tab:orange", _adafrugal),
     "adafrugal+governor": DemoOptimizer("AdaFRUGAL+governor", "tab:red", _adafrugal,
                                         budget_from="adafrugal"),

@@ -34,10 +34,12 @@ from frugal_kernels.data import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
 from frugal_kernels.nn import QuantLinear
+from frugal_kernels.optim.in_backward import handle_of
 from frugal_kernels.optim.memory import release_freed_memory, storage_bytes
 
 __all__ = [
     "OptimizerFactory",
+    "PeakMemory",
     "RunResult",
     "TrainConfig",
     "lr_factor",
@@ -189,16 +191,25 @@ def optimizer_state_bytes(opt: Optimizer) -> int:
 def step_memory(model: nn.Module, opt: Optimizer) -> dict[str, int]:
     """Bytes of the training state held during a step, from the tensors themselves (call it
     between ``opt.step()`` and ``zero_grad``): the weights, their gradients, the optimizer's
-    state, and ``held``, the three together with every storage counted once."""
+    state, and ``held``, the three together with every storage counted once.
+
+    An optimizer that steps in backward (:func:`~frugal_kernels.step_in_backward`) has
+    freed its gradients by then: its gradient bytes are the most that were alive at once
+    during backward (``handle.peak_grad_bytes``)."""
     # A QuantLinear's weight lives in its codes and scales (buffers); its parameter is
     # a one-value placeholder that carries the gradient.
     params = [p for p in model.parameters()] + [
         t for m in model.modules() if isinstance(m, QuantLinear) for t in (m.codes, m.scale)]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     state = list(_state_tensors(opt))
-    return {"weight_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
-            "state_bytes": optimizer_state_bytes(opt),
-            "held_bytes": storage_bytes(params + grads + state)}
+    memory = {"weight_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
+              "state_bytes": optimizer_state_bytes(opt),
+              "held_bytes": storage_bytes(params + grads + state)}
+    handle = handle_of(opt)
+    if handle is not None:
+        memory["grad_bytes"] += handle.peak_grad_bytes
+        memory["held_bytes"] += handle.peak_grad_bytes
+    return memory
 
 
 def optimizer_step_flops(opt: Optimizer) -> int:
@@ -315,8 +326,8 @@ class RunResult:
         return {"summary": self.summary(), **dataclasses.asdict(self)}
 
 
-class _PeakMemory:
-    """Peak memory of one run: CUDA's allocator high-water mark on a GPU, else the process's
+class PeakMemory:
+    """Peak memory from now on: CUDA's allocator high-water mark on a GPU, else the process's
     resident-set high-water mark (VmHWM).
 
     tracemalloc would miss torch's allocations, so the CPU figure is the whole process's RSS,
@@ -349,6 +360,30 @@ class _PeakMemory:
         except (OSError, AttributeError):
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, else kB
+
+    def current(self) -> int:
+        """Memory in use now: CUDA's allocated bytes, else the process's resident set (VmRSS;
+        0 where /proc is missing)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        try:
+            with open("/proc/self/status") as f:
+                return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+        except (OSError, AttributeError):
+            return 0
+
+
+def _check_clip(config: TrainConfig, in_backward) -> None:
+    """A step in backward has updated every tensor before a clip after backward could run:
+    ``config.grad_clip`` must be the handle's own clip (``max_grad_norm``)."""
+    if in_backward is None or config.grad_clip is None:
+        return
+    if in_backward.max_grad_norm != config.grad_clip:
+        raise ValueError(
+            f"grad_clip={config.grad_clip} clips the gradients after backward, but this "
+            "optimizer steps in backward, before that: build it with "
+            f"step_in_backward(opt, max_grad_norm={config.grad_clip}, clip='global') (the "
+            "global norm, in two backward passes) or clip='tensor', or set grad_clip=None")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -402,8 +437,10 @@ def train(
     batches = data.batches("train", config.batch_size, config.seq_len, seed=config.seed,
                            device=device)
 
-    peak = _PeakMemory(device)
+    peak = PeakMemory(device)
     opt = make_optimizer(model, config)
+    in_backward = handle_of(opt)
+    _check_clip(config, in_backward)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda step: lr_factor(step, config.steps, config.warmup_steps, config.min_lr_ratio,
                                     config.schedule, config.cooldown_fraction))
@@ -433,14 +470,21 @@ def train(
             t0 = time.perf_counter()
             input_ids, labels = next(batches)
             loss = model(input_ids, labels=labels).loss
+            if in_backward is not None and in_backward.clip == "global" \
+                    and in_backward.max_grad_norm is not None:
+                # The global-norm clip of a step in backward: the norm in a first pass.
+                with in_backward.norm_pass():
+                    loss.backward(retain_graph=True)
             loss.backward()
-            if config.grad_clip is not None:
+            if config.grad_clip is not None and in_backward is None:
                 nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             _synchronize(device)
             t_opt = time.perf_counter()
             opt.step()
             _synchronize(device)
             opt_time = time.perf_counter() - t_opt
+            if in_backward is not None:
+                opt_time += in_backward.step_seconds  # the updates ran inside backward
             memory = step_memory(model, opt)
             opt.zero_grad(set_to_none=True)
             lr = opt.param_groups[0]["lr"]

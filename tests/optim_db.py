@@ -61,6 +61,9 @@ class OptimizerInfo:
     # Optimizers whose groups are fixed refuse add_param_group with a ValueError
     # matching this (None: a new group is accepted and stepped).
     add_param_group_refused: Optional[str] = None
+    # Options a step in backward (frugal_kernels.step_in_backward) needs: FRUGAL's
+    # default nonfinite="skip" needs every gradient before the first update.
+    in_backward_options: dict = field(default_factory=dict)
 
     def moved(self, opt, params) -> List[torch.nn.Parameter]:
         return list(params) if self.trained is None else list(self.trained(opt))
@@ -132,6 +135,7 @@ def _frugal_misfits(projection: str) -> Tuple[Misfit, ...]:
 
 
 _RESET_VARIANTS = {"reset_state": {"reset_state": True}, "keep_state": {"reset_state": False}}
+_IN_BACKWARD = {"nonfinite": "raise"}
 _RESUMED = ("history", "update_gap", "rho")
 
 # torch.compile makes one graph of FRUGAL's step for every projection: subspace
@@ -146,6 +150,7 @@ OPTIMIZERS = (
         variants=_RESET_VARIANTS, resumed_attributes=_RESUMED,
         misfits=_frugal_misfits(projection),
         compile_graphs=1, compile_options=_COMPILE_OPTIONS.get(projection, {}),
+        in_backward_options=_IN_BACKWARD,
     ) for projection in PROJECTIONS),
     *(OptimizerInfo(
         name=f"AdaFRUGAL-{projection}", make_model=_grouped_params,
@@ -154,6 +159,7 @@ OPTIMIZERS = (
         # A shrinking density reshapes the moments: one more graph (a static
         # rho keeps one). One projection is enough: the graphs are FRUGAL's.
         compile_graphs=2 if projection == "columns" else None,
+        in_backward_options=_IN_BACKWARD,
     ) for projection in PROJECTIONS),
 )
 

@@ -73,6 +73,12 @@ def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
     assert state["adafrugal"] < state["frugal"]
     assert runs["adafrugal"]["steps"][-1]["rho"] < runs["frugal"]["steps"][-1]["rho"] == 0.25
 
+    # The frugal row stepped in backward: the same training, one gradient alive at a time.
+    frugal, inbwd = runs["frugal"]["summary"], runs["frugal+inbwd"]["summary"]
+    assert inbwd["held_bytes"] < frugal["held_bytes"]
+    assert inbwd["state_bytes"] == frugal["state_bytes"]
+    assert abs(inbwd["final_val_loss"] - frugal["final_val_loss"]) < 1e-3 * frugal["final_val_loss"]
+
     governed = runs["adafrugal+governor"]
     assert governed["summary"]["flop_budget"] == runs["adafrugal"]["summary"]["flops"]
     assert len(governed["decisions"]) == len(governed["evaluations"])
@@ -298,6 +304,39 @@ def test_memory_columns_are_the_bytes_of_the_tensors(name, corpus):
     assert result.steps[-1]["held_bytes"] == (result.steps[-1]["weight_bytes"]
                                               + result.steps[-1]["grad_bytes"]
                                               + result.steps[-1]["state_bytes"])
+
+
+def test_memory_columns_of_a_step_in_backward(corpus):
+    """Its gradients are gone by the time step() is called: held counts the most that were
+    alive at once in backward, here the largest tensor's alone."""
+    model = LlamaForCausalLM(TINY.model_config(corpus.vocab_size))
+    opt = demo.OPTIMIZERS["frugal+inbwd"].make(model, TINY)
+    ids, labels = next(corpus.batches("train", 2, 16, seed=0))
+    loss = model(ids, labels=labels).loss
+    with fk.optim.in_backward.handle_of(opt).norm_pass():
+        loss.backward(retain_graph=True)
+    loss.backward()
+    opt.step()
+    params = list(model.parameters())
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    memory = step_memory(model, opt)
+    largest = max(_nbytes([p]) for p in params)
+    assert memory["grad_bytes"] == largest
+    assert memory["held_bytes"] == _nbytes(params) + largest + _nbytes(state)
+
+
+def test_a_clip_after_backward_with_a_step_in_backward_is_refused(corpus):
+    def in_backward_without_its_clip(model, config):
+        opt = fk.FRUGAL(lr_groups(model, config), lr=config.lr, nonfinite="raise")
+        fk.step_in_backward(opt)
+        return opt
+
+    with pytest.raises(ValueError, match="steps in backward, before that"):
+        train(TINY, in_backward_without_its_clip, data=corpus, progress=False)
+    # Without a clip it trains.
+    result = train(dataclasses.replace(TINY, grad_clip=None), in_backward_without_its_clip,
+                   data=corpus, progress=False)
+    assert result.steps_done == TINY.steps and result.steps[-1]["optimizer_time"] > 0
 
 
 def test_lr_groups_give_the_matrices_their_own_lr():

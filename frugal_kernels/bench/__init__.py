@@ -14,6 +14,7 @@ import torch
 
 from frugal_kernels.bench import dqt as _dqt
 from frugal_kernels.bench import fingerprint as _fingerprint
+from frugal_kernels.bench import in_backward as _in_backward
 from frugal_kernels.bench import ops as _ops
 from frugal_kernels.bench import optimizers as _optimizers
 from frugal_kernels.bench import overhead as _overhead
@@ -22,12 +23,13 @@ from frugal_kernels.bench import report
 __all__ = ["run", "SECTIONS"]
 
 # The parts of a run, as `frugal-kernels bench --only` names them.
-SECTIONS = ("ops", "optimizers", "overhead", "dqt")
+SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt")
 
 
 def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None,
         op_names: Optional[Sequence[str]] = None, with_ops: bool = True,
-        with_optimizers: bool = True, with_overhead: bool = True, with_dqt: bool = True,
+        with_optimizers: bool = True, with_overhead: bool = True, with_in_backward: bool = True,
+        with_dqt: bool = True,
         preset: Optional[str] = None,
         rounds: Optional[int] = None, command: str = "") -> dict:
     """Run the benchmark sweep and write its results; returns them as a dict."""
@@ -39,6 +41,7 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
     result = {"fingerprint": fp, "command": command or " ".join(sys.argv),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": quick}
     rounds = rounds or (5 if quick else 15)
+    given_preset = preset
     if with_ops:
         numels = [1 << 22] if quick else [1 << 20, 1 << 24]
         if dev.type == "cuda" and not quick:
@@ -63,6 +66,17 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
         with tqdm(total=1, desc="host overhead (130m structure)", unit="part") as bar:
             result["overhead"] = _overhead.host_overhead("130m", rounds=max(rounds, 15))
             bar.update(1)
+    if with_in_backward:
+        # LLaMA-20m unless a preset is given, even in a full run: a step's memory is what
+        # is measured, and on the CPU a 130m step takes seconds.
+        ib_preset = given_preset or "20m"
+        # A quick run: the fewest tokens, torch AdamW and FRUGAL rho=0.25 only.
+        shapes = _in_backward.SHAPES[:1] if quick else _in_backward.SHAPES
+        names = ["torch_adamw", "frugal_rho0.25"] if quick else list(_in_backward.OPTIMIZERS)
+        with tqdm(total=len(shapes) * len(names) * 2, unit="run",
+                  desc=f"step memory, ordinary vs in backward ({ib_preset})") as bar:
+            result["in_backward"] = _in_backward.step_memory(
+                ib_preset, names=names, shapes=shapes, device=dev.type, progress=bar)
     if with_dqt:
         # One 4096 x 4096 layer at batch 4 (issue's setting; 1024 in a quick run).
         dim = 1024 if quick else 4096

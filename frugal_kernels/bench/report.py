@@ -62,6 +62,7 @@ def markdown(result: dict) -> str:
         lines += _table(["optimizer", "us/step", "x fused AdamW", "change, us"],
                         [[r["optimizer"], f"{r['step_us']:.0f}", f"{r['vs_torch_adamw_fused']:.2f}",
                           f"{r['change_us']:.0f}"] for r in over["rows"]])
+    lines += _in_backward_lines(result.get("in_backward"))
     dqt = result.get("dqt")
     if dqt:
         step = dqt["step"]
@@ -76,6 +77,47 @@ def markdown(result: dict) -> str:
                         [[name, f"{t * 1e3:.1f}", f"{step['vs_linear_adamw'][name]:.2f}"]
                          for name, t in step["seconds"].items()])
     return "\n".join(lines)
+
+
+def _in_backward_lines(ib: Optional[dict]) -> List[str]:
+    """The step-memory tables of frugal_kernels.bench.in_backward, one per shape."""
+    if not ib or not ib["rows"]:
+        return []
+    mb = 2**20
+    first = ib["rows"][0]
+    cuda = first["peak_kind"] == "cuda_max_allocated"
+    peak = "max allocated MB" if cuda else "process peak MB"
+    lines = [f"## Memory of a training step, ordinary vs step in backward ({ib['preset']}: "
+             f"{first['num_params'] / 1e6:.1f}M params)", "",
+             "held: the most bytes of parameters + gradients + optimizer state alive at once "
+             "during one whole step (forward, backward, step), each storage counted once, "
+             "sampled at the end of forward, at every gradient's completion, after backward "
+             "and after the step; + activations: the same with the tensors autograd saved "
+             "for backward. "
+             + ("max allocated: torch.cuda.max_memory_allocated over the step." if cuda else
+                "process peak: the resident-memory high-water mark (VmHWM) during the step; "
+                "at start: the resident memory when it began (torch, the model, the state)"
+                + ("; each configuration in a fresh process" if ib["fresh_processes"] else "")
+                + ". The process figures move by about 20 MB between runs (the allocator), "
+                "the held bytes do not."), ""]
+    shapes = sorted({(r["batch_size"], r["seq_len"]) for r in ib["rows"]})
+    for batch_size, seq_len in shapes:
+        rows = [r for r in ib["rows"] if (r["batch_size"], r["seq_len"]) == (batch_size, seq_len)]
+        lines += [f"### {batch_size} x {seq_len} tokens", ""]
+        lines += _table(
+            ["optimizer", "step", "held MB", "params / grads / state MB", "x ordinary AdamW",
+             "+ activations MB", peak, "at start MB", "above start MB"],
+            [[r["label"], r["mode"].replace("_", " "), f"{r['held_bytes'] / mb:.1f}",
+              " / ".join(f"{r['held_parts'][k] / mb:.1f}" for k in ("params", "grads", "state")),
+              f"{r['held_vs_torch_adamw']:.3f}" if r["held_vs_torch_adamw"] else "-",
+              f"{r['held_with_activations_bytes'] / mb:.1f}", f"{r['memory_peak'] / mb:.0f}",
+              f"{r['memory_at_start'] / mb:.0f}", f"{r['peak_above_start'] / mb:.0f}"]
+             for r in rows])
+    for v in ib.get("target") or []:
+        lines.append(f"Target at {v['batch_size']} x {v['seq_len']}: FRUGAL rho=0.25 in backward "
+                     f"holds {v['ratio']:.3f}x the held bytes of ordinary torch AdamW (target "
+                     f"<= {v['target']:g}): {'met' if v['met'] else 'not met'}.")
+    return lines + [""]
 
 
 def plot(result: dict, path: Path) -> Optional[Path]:

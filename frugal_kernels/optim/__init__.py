@@ -5,5 +5,6 @@ from frugal_kernels.optim.badam import BAdam
 from frugal_kernels.optim.dqt import DQT
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.grouping import param_groups
+from frugal_kernels.optim.in_backward import step_in_backward
 
-__all__ = ["FRUGAL", "AdaFRUGAL", "BAdam", "DQT", "param_groups"]
+__all__ = ["FRUGAL", "AdaFRUGAL", "BAdam", "DQT", "param_groups", "step_in_backward"]

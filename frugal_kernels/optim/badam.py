@@ -239,15 +239,49 @@ class BAdam(torch.optim.Optimizer):
         group = self.param_groups[self.active_block_index]
         params = [p for p in group["params"] if p.grad is not None]
         grad_scale = getattr(self, "grad_scale", None)
-        self._steps_taken += 1
-        self._block_steps += 1
+        self._count_step()
         if self._inner is not None:
             self._step_inner(group, grad_scale)
         elif params:
             self._update(group, params, grad_scale)
+        self._switch_if_due()
+        return loss
+
+    def _count_step(self) -> None:
+        self._steps_taken += 1
+        self._block_steps += 1
+
+    def _switch_if_due(self) -> None:
         if self._block_steps >= self._switch_every:
             self._switch("switch_every")
-        return loss
+
+    # ------------------------------------------------------- steps in backward
+    # What frugal_kernels.step_in_backward drives (see FusedOptimizer's): the active
+    # block's tensors are updated one at a time, each as its gradient completes, with
+    # the pieces of step(); the switch comes once backward is done.
+
+    def _tensor_steps_refused(self) -> Optional[str]:
+        return None
+
+    def _begin_tensor_steps(self) -> None:
+        self._count_step()
+        if self._inner is not None:
+            self._sync_inner(self.param_groups[self.active_block_index])
+            self._inner._begin_tensor_steps()
+
+    def _step_tensor(self, p: Tensor) -> None:
+        group = self.param_groups[self.active_block_index]
+        if not any(p is q for q in group["params"]):
+            return  # outside the active block: step() leaves it alone too
+        if self._inner is not None:
+            self._inner._step_tensor(p)
+        else:
+            self._update(group, [p], None)
+
+    def _end_tensor_steps(self) -> None:
+        if self._inner is not None:
+            self._inner._end_tensor_steps()
+        self._switch_if_due()
 
     # ------------------------------------------------------------------ update
 
@@ -270,10 +304,14 @@ class BAdam(torch.optim.Optimizer):
             if dtype != torch.float32:
                 torch._foreach_copy_(ps, targets)
 
-    def _step_inner(self, group: dict, grad_scale: Optional[Tensor]) -> None:
+    def _sync_inner(self, group: dict) -> None:
+        """The block's lr, betas, eps and weight decay, as they are now, into its FRUGAL."""
         for inner_group in self._inner.param_groups:
             for key in ("lr", "betas", "eps", "weight_decay"):
                 inner_group[key] = group[key]
+
+    def _step_inner(self, group: dict, grad_scale: Optional[Tensor]) -> None:
+        self._sync_inner(group)
         # The scale reaches the inner FRUGAL's ops as a GradScaler's would.
         self._inner.grad_scale = grad_scale
         try:

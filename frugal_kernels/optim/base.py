@@ -34,6 +34,10 @@ _ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 # What a step does when a gradient holds a NaN or an infinity (see FusedOptimizer.step).
 NONFINITE_POLICIES = ("skip", "raise", "propagate")
 
+# The key of a plan of one bucket per tensor (a step in backward), which no ordinary
+# step's key (a tuple) equals.
+_PER_TENSOR = "per tensor"
+
 
 class FusedOptimizer(Optimizer):
     """Base of the optimizers whose step is a few fused op calls (see the module docstring)."""
@@ -43,6 +47,9 @@ class FusedOptimizer(Optimizer):
     # elsewhere (DQT's QuantWeight: a stride-0 view of one element, the weight in
     # its module's codes): exempt from the contiguity the in-place ops need.
     _placeholder_types: Tuple[type, ...] = ()
+    # Whether a rule of this optimizer draws random numbers (DQT's rounding): then each
+    # bucket is given _rng_step() before its call.
+    _draws_random_numbers = False
 
     def __init__(self, params: Iterable, defaults: dict, backend: str, nonfinite: str = "skip",
                  seed: int = 0):
@@ -64,6 +71,11 @@ class FusedOptimizer(Optimizer):
         self._lr_tensors: Dict[int, Tensor] = {}
         self._steps: Optional[Tensor] = None
         self._steps_plan: Optional[List[Bucket]] = None  # the plan self._steps counts for
+        # While _begin_tensor_steps chooses subspaces: the gradients are still to come.
+        self._grads_arriving = False
+        # A step in backward: each tensor's own bucket, and where each tensor is.
+        self._tensor_buckets: Dict[Tensor, Bucket] = {}
+        self._tensor_index: Dict[Tensor, Tuple[int, int]] = {}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------- subclass hooks
@@ -97,6 +109,10 @@ class FusedOptimizer(Optimizer):
     def _after_plan(self) -> None:
         """Called once the step's subspace changes and plan are in place (and the
         snapshot that could undo them is gone)."""
+
+    def _rng_step(self) -> int:
+        """The counter of the random numbers of this step (for ``_draws_random_numbers``)."""
+        return 0
 
     def _state_may_change(self) -> bool:
         """Whether :meth:`_before_plan` may change subspaces at this step (then the
@@ -182,11 +198,7 @@ class FusedOptimizer(Optimizer):
                 raise ValueError(f"{_param_name(*bad)} has a non-finite gradient (NaN or inf); "
                                  "the step was not applied (nonfinite='raise')")
         self._prepare_plan(key)
-        for gi, group in enumerate(self.param_groups):
-            if not isinstance(group["lr"], Tensor):
-                # A group whose tensors have no gradients yet has no bucket, so
-                # its lr tensor may not exist yet.
-                self._group_lr(gi, group).fill_(group["lr"])
+        self._fill_lrs()
         if self._steps_plan is not self._plan:
             # The counters are replaced only when the plan is rebuilt (new moments, a
             # loaded state dict): packed once per plan.
@@ -196,6 +208,10 @@ class FusedOptimizer(Optimizer):
             self._steps.add_(1.0)
         # GradScaler's scale goes to the ops, which divide it out as they read the
         # gradients: no separate pass over them (8 bytes per parameter).
+        if self._draws_random_numbers:
+            rng_step = self._rng_step()
+            for bucket in self._plan:
+                bucket.rng_step = rng_step
         return self._plan, [[p.grad for p in b.params] for b in self._plan], grad_scale
 
     def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]]]:
@@ -253,6 +269,14 @@ class FusedOptimizer(Optimizer):
         for bucket, bucket_grads in zip(buckets, grads):
             plan.run(bucket, bucket_grads, self.state, self.backend, grad_scale)
 
+    def _fill_lrs(self) -> None:
+        """Copy each float lr into its group's lr tensor (read by the op calls)."""
+        for gi, group in enumerate(self.param_groups):
+            if not isinstance(group["lr"], Tensor):
+                # A group whose tensors have no gradients yet has no bucket, so
+                # its lr tensor may not exist yet.
+                self._group_lr(gi, group).fill_(group["lr"])
+
     def _group_lr(self, gi: int, group: dict) -> Tensor:
         """A group's lr as a tensor. A float lr (what LR schedulers set) is
         copied into a tensor of the optimizer's each step, outside compiled
@@ -263,6 +287,77 @@ class FusedOptimizer(Optimizer):
         if gi not in self._lr_tensors:
             self._lr_tensors[gi] = torch.tensor(float(group["lr"]), dtype=torch.float64)
         return self._lr_tensors[gi]
+
+    # ---------------------------------------------------------- steps in backward
+    # frugal_kernels.step_in_backward drives one step as these calls: _begin_tensor_steps
+    # once, _step_tensor for each tensor as backward completes its gradient, and
+    # _end_tensor_steps once backward is done. Each tensor takes the update the ordinary
+    # step gives it, from the same pieces: _before_plan's changes, _assign's rule and a
+    # plan bucket holding that one tensor, run by plan.run.
+
+    def _tensor_steps_refused(self) -> Optional[str]:
+        """Why this optimizer, as set up now, cannot step its tensors one at a time (None
+        when it can)."""
+        if self.nonfinite == "skip":
+            return ("nonfinite='skip' skips the whole step when any gradient is non-finite, "
+                    "which needs every gradient before the first tensor is updated; build the "
+                    "optimizer with nonfinite='raise' (a non-finite gradient raises from "
+                    "backward, naming its parameter; the tensors stepped before it keep their "
+                    "update) or nonfinite='propagate'")
+        return None
+
+    def _begin_tensor_steps(self) -> None:
+        """The part of a step that needs no gradient, before its first tensor: the groups'
+        checks, the step count and subspace changes, the lr tensors. A choice that reads a
+        gradient (svd's subspace) waits for its tensor's (``Subspace.arriving``)."""
+        reason = self._tensor_steps_refused()
+        if reason is not None:
+            raise ValueError(f"{type(self).__name__} cannot step in backward: {reason}")
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"param group {gi}")
+        self._grads_arriving = True
+        try:
+            self._before_plan()
+        finally:
+            self._grads_arriving = False
+        if self._plan is None or self._plan_key is not _PER_TENSOR:
+            # One bucket per tensor, made at the tensor's first step since the plan was
+            # last invalidated; the ordinary step rebuilds its own (the key differs).
+            self._plan, self._plan_key = [], _PER_TENSOR
+            self._tensor_buckets = {}
+        self._fill_lrs()
+        self._tensor_index = {p: (gi, i) for gi, group in enumerate(self.param_groups)
+                              for i, p in enumerate(group["params"])}
+
+    def _step_tensor(self, p: Tensor) -> None:
+        """Update ``p`` with its gradient, complete now, as the ordinary step would."""
+        gi, i = self._tensor_index[p]
+        g = p.grad
+        if g.layout is not torch.strided or g.dtype is not p.dtype or (
+                not p.is_contiguous() and not isinstance(p, self._placeholder_types)):
+            _refuse_gradient(gi, i, p)
+        # The ordinary step's check, which makes no temporary the size of the gradient (a
+        # bool mask of each was seen to raise a LLaMA-20m step's high-water mark by 50 MB).
+        if self.nonfinite == "raise" and _first_nonfinite([(gi, i, p)]) is not None:
+            raise ValueError(f"{_param_name(gi, i, p)} has a non-finite gradient (NaN or inf); "
+                             "its update was not applied (nonfinite='raise'); the tensors "
+                             "stepped before it in this backward keep theirs")
+        bucket = self._tensor_buckets.get(p)
+        if bucket is None:
+            group = self.param_groups[gi]
+            bucket = plan.single(gi, group, i, p, self.state, self._assign, self._group_lr)
+            self._tensor_buckets[p] = bucket
+            self._plan.append(bucket)
+        if bucket.assignment.stateful:
+            # The count after this update, as the ordinary step's packed counters hold it.
+            self.state[p]["step"].add_(1.0)
+        if self._draws_random_numbers:
+            bucket.rng_step = self._rng_step()
+        plan.run(bucket, [g], self.state, self.backend)
+
+    def _end_tensor_steps(self) -> None:
+        """After the step's last tensor."""
+        self._after_plan()
 
     # ------------------------------------------------------------- checkpoints
 

@@ -149,6 +149,7 @@ class DQT(FRUGAL):
     """
 
     _placeholder_types = (QuantWeight,)
+    _draws_random_numbers = True
 
     def __init__(
         self,
@@ -217,9 +218,11 @@ class DQT(FRUGAL):
             raise ValueError(f"param group {gi}: update is {group['update']!r} here but "
                              f"{saved.get('update')!r} in the state dict")
 
+    def _rng_step(self) -> int:
+        return self._steps_taken
+
     @torch._dynamo.disable
     def _apply(self, buckets, grads, grad_scale=None) -> None:
-        for bucket in buckets:
-            bucket.rng_step = self._steps_taken
+        # Eager under torch.compile: the op's rng_step is an int, a new one each step.
         super()._apply(buckets, grads, grad_scale)
 

@@ -191,7 +191,8 @@ class FRUGAL(FusedOptimizer):
 
     def _subspace(self, gi: int, group: dict) -> Subspace:
         record = self._subspaces.setdefault(gi, {}) if group["projected"] else {}
-        return Subspace(group, self.state, self._generator, self._group_density(group), record)
+        return Subspace(group, self.state, self._generator, self._group_density(group), record,
+                        arriving=self._grads_arriving)
 
     def _before_plan(self) -> None:
         self._steps_taken += 1

@@ -9,6 +9,10 @@ it is built outside torch.compile's graphs and reused between changes.
 
 A new rule (a quantized update, say) is a new entry in :data:`RUNNERS`.
 
+A step inside backward (:func:`frugal_kernels.step_in_backward`) updates each
+tensor on its own, as its gradient completes: its plan is one bucket per tensor
+(:func:`single`), run the same way.
+
 A bucket's first call goes through the registered ops, which check every
 argument; the calls after it, while its params are the tensors that call
 checked (same storage, shape and dtype), take the ops' unchecked faces
@@ -31,7 +35,7 @@ from frugal_kernels.ops import unchecked
 from frugal_kernels._layout import inverse_grad_scale, lowrank_side, project
 
 __all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
-           "run", "signature", "pack_step_counters"]
+           "run", "signature", "single", "pack_step_counters"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,14 @@ def build(param_groups: Sequence[dict], state,
                 bucket = buckets[key] = Bucket(assignment, group, group_lr(gi, group))
             bucket.params.append(p)
     return list(buckets.values())
+
+
+def single(gi: int, group: dict, i: int, p: Tensor, state,
+           assign: Callable[[int, dict, int, Tensor], Assignment],
+           group_lr: Callable[[int, dict], Tensor]) -> Bucket:
+    """The bucket of ``p`` alone (``group["params"][i]``), as :func:`build` would make it:
+    the plan of a tensor stepped on its own, when backward completes its gradient."""
+    return Bucket(assign(gi, group, i, p), group, group_lr(gi, group), [p])
 
 
 def pack_step_counters(plan: Sequence[Bucket], state) -> Optional[Tensor]:

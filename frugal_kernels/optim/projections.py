@@ -40,13 +40,21 @@ class Subspace:
     ``block_order``...), ``state`` the optimizer's per-tensor state,
     ``density`` the fraction to keep state-full now, ``generator`` the source
     of every random choice and ``record`` the family's own memory of the group
-    (numbers and lists of numbers, so that it is saved with the state)."""
+    (numbers and lists of numbers, so that it is saved with the state).
+
+    ``arriving``: the step's gradients are not there yet when the subspace is
+    chosen, and each arrives as backward completes its tensor
+    (:func:`frugal_kernels.step_in_backward`). A choice that reads a gradient
+    then waits for its tensor's (:meth:`Projection.assign`); the others are
+    made for every tensor that requires a gradient, since which tensors will
+    get one is not known yet."""
 
     group: dict
     state: MutableMapping[Tensor, dict]
     generator: torch.Generator
     density: float
     record: dict
+    arriving: bool = False
 
 
 class Projection:
@@ -185,19 +193,27 @@ class LowRank(Projection):
         self.projection = projection
 
     def choose(self, sub: Subspace) -> None:
+        reads_gradient = self.projection == "svd"
         for p in sub.group["params"]:
             st = sub.state[p]
             if p.dim() < 2:
                 if sub.group["reset_state"]:
                     st.clear()
-            elif p.grad is None:
+            elif sub.arriving and reads_gradient:
+                # The gradient is on its way: chosen when it arrives (assign), where
+                # _project keeps or resets the moments as it does here.
+                st.pop("projection", None)
+            elif p.grad is None and not (sub.arriving and p.requires_grad):
                 st.clear()  # chosen from a gradient: at its first step with one (assign)
             else:
                 self._project(sub, p, st)
 
     def _project(self, sub: Subspace, p: Tensor, st: dict) -> None:
         rank = subspace.subset_size(sub.density, lowrank_dim(p.shape))
-        projection = subspace.make_projection(self.projection, p.grad, rank, sub.generator)
+        # svd reads the gradient; random only a shape and a device, which the parameter
+        # has before its gradient arrives (in backward).
+        source = p.grad if self.projection == "svd" else p.detach()
+        projection = subspace.make_projection(self.projection, source, rank, sub.generator)
         keep = (not sub.group["reset_state"] and "exp_avg" in st
                 and tuple(st["exp_avg"].shape) == lowrank_state_shape(p.shape, rank))
         if not keep:

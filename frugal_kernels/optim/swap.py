@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import types
 from collections import defaultdict
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -34,11 +34,13 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from frugal_kernels import ops
 
-__all__ = ["swap"]
+__all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 
 # Where the swap keeps what it replaced: the instance's own ``step``
 # attribute before the swap (an LR scheduler's wrapper, say), or None.
 _SAVED = "_frugal_swap_saved_step"
+# Where it keeps the backend of the swapped step.
+_BACKEND = "_frugal_swap_backend"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 
 
@@ -65,6 +67,7 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
         if _SAVED not in optimizer.__dict__:
             raise ValueError("swap(undo=True): this optimizer was not swapped")
         saved = optimizer.__dict__.pop(_SAVED)
+        optimizer.__dict__.pop(_BACKEND, None)
         del optimizer.step
         if saved is not None:
             optimizer.step = saved
@@ -96,8 +99,46 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
     # _opt_called (they would otherwise wrap it again).
     hooked._wrapped_by_lr_sched = True
     optimizer.__dict__[_SAVED] = optimizer.__dict__.get("step")
+    optimizer.__dict__[_BACKEND] = backend
     optimizer.step = types.MethodType(hooked, optimizer)
     return optimizer
+
+
+def is_swapped(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer``'s step runs on the fused ops (:func:`swap`)."""
+    return _SAVED in optimizer.__dict__
+
+
+class _TensorSteps:
+    """A swapped optimizer's step, one tensor at a time: what
+    :func:`frugal_kernels.step_in_backward` drives (see its module)."""
+
+    def __init__(self, optimizer: Optimizer):
+        self.optimizer = optimizer
+        self._group_step = _STEPS[type(optimizer)]
+        self._group_of: Dict[Tensor, dict] = {}
+
+    def _tensor_steps_refused(self):
+        return None
+
+    def _begin_tensor_steps(self) -> None:
+        _check_groups(self.optimizer)
+        self._group_of = {p: group for group in self.optimizer.param_groups
+                          for p in group["params"]}
+
+    def _step_tensor(self, p: Tensor) -> None:
+        self._group_step(self.optimizer, self._group_of[p],
+                         self.optimizer.__dict__[_BACKEND], [p])
+
+    def _end_tensor_steps(self) -> None:
+        pass
+
+
+def tensor_steps(optimizer: Optimizer) -> _TensorSteps:
+    """The swapped step of ``optimizer`` one tensor at a time (TypeError unless swapped)."""
+    if not is_swapped(optimizer):
+        raise TypeError("tensor_steps takes an optimizer swapped by frugal_kernels.swap")
+    return _TensorSteps(optimizer)
 
 
 def _check_groups(optimizer: Optimizer) -> None:
@@ -121,8 +162,9 @@ def _check_groups(optimizer: Optimizer) -> None:
                                  f"({p.grad.layout}); the fused ops take dense gradients")
 
 
-def _with_grads(group: dict) -> List[Tensor]:
-    return [p for p in group["params"] if p.grad is not None]
+def _with_grads(group: dict, params: Optional[List[Tensor]] = None) -> List[Tensor]:
+    """The group's tensors with gradients (of ``params`` only, when given)."""
+    return [p for p in (group["params"] if params is None else params) if p.grad is not None]
 
 
 # ------------------------------------------------------------------ Adam(W)
@@ -134,14 +176,15 @@ def _new_step(group: dict, p: Tensor) -> Tensor:
     return torch.tensor(0.0, dtype=_get_scalar_dtype())
 
 
-def _adam_group(optimizer: Optimizer, group: dict, backend: str) -> None:
+def _adam_group(optimizer: Optimizer, group: dict, backend: str,
+                params: Optional[List[Tensor]] = None) -> None:
     decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
     beta1, beta2 = (float(b) for b in group["betas"])
     weight_decay = float(group["weight_decay"])
     maximize = bool(group["maximize"])
     # One call per device and step count (params added later count their own steps).
     calls: Dict[Tuple[torch.device, float], List[Tensor]] = defaultdict(list)
-    for p in _with_grads(group):
+    for p in _with_grads(group, params):
         state = optimizer.state[p]
         if len(state) == 0:
             state["step"] = _new_step(group, p)
@@ -166,12 +209,13 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str) -> None:
 
 # --------------------------------------------------------------------- SGD
 
-def _sgd_group(optimizer: Optimizer, group: dict, backend: str) -> None:
+def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
+               params: Optional[List[Tensor]] = None) -> None:
     momentum = float(group["momentum"])
     hyper = dict(lr=group["lr"], momentum=momentum, dampening=float(group["dampening"]),
                  weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
                  maximize=bool(group["maximize"]), backend=backend)
-    params = _with_grads(group)
+    params = _with_grads(group, params)
     if momentum == 0:
         # torch keeps no state without momentum.
         for device_params in _by_device(params).values():
@@ -198,8 +242,11 @@ def _by_device(params: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
     return out
 
 
-_STEPS: Dict[type, Callable[[Optimizer, dict, str], None]] = {
+# Each steps one param group (only ``params`` of it, when given).
+_STEPS: Dict[type, Callable[..., None]] = {
     torch.optim.AdamW: _adam_group,
     torch.optim.Adam: _adam_group,
     torch.optim.SGD: _sgd_group,
 }
+# The torch optimizers swap takes.
+SWAPPABLE = tuple(_STEPS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Dict, List, Sequence
 
 import torch
@@ -43,6 +44,30 @@ def run(opt, params, grads_seq, after_step=None) -> None:
         opt.step()
         if after_step is not None:
             after_step(t)
+
+
+def roundtrip(sd):
+    """``sd`` through torch.save and torch.load(weights_only=True), as a checkpoint goes."""
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def assert_same(a, b, where="state_dict"):
+    """Equal nested state: tensors bit for bit, everything else by ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -5,38 +5,14 @@ the FRUGAL-specific ones (option checks, state dtypes, subsets of added groups)
 follow at the end.
 """
 
-import io
-
 import pytest
 import torch
 
 import frugal_kernels as fk
 
 from ..optim_db import OPTIMIZERS, values
-from .helpers import HYPER, grad_sequence, groups, make_params, run, set_grads
-
-
-def _roundtrip(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
-def _assert_same(a, b, where="state_dict"):
-    """Equal nested state: tensors bit for bit, everything else by ==."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
+from .helpers import (HYPER, assert_same, grad_sequence, groups, make_params, roundtrip, run,
+                      set_grads)
 
 
 def _entries(predicate=lambda info: True):
@@ -63,7 +39,7 @@ def test_resume_is_bit_identical(info, options):
     first, params = info.build(**options)
     info.train(first, params, seq[:n])
     saved_params = values(params, clone=True)
-    sd = _roundtrip(first.state_dict())
+    sd = roundtrip(first.state_dict())
     del first
 
     resumed, params2 = info.build(seed=123, **options)
@@ -106,14 +82,14 @@ def test_state_dict_holds_only_tensors_and_numbers_per_param(info):
 def test_a_state_dict_that_does_not_fit_raises_and_changes_nothing(info, misfit):
     opt, params = info.build()
     info.train(opt, params, grad_sequence(params, 2))
-    sd = _roundtrip(opt.state_dict())
+    sd = roundtrip(opt.state_dict())
     misfit.mutate(sd)
     target, params2 = info.build()
     info.train(target, params2, grad_sequence(params2, 1, seed=3))
     before = target.state_dict()
     with pytest.raises(ValueError, match=misfit.message):
         target.load_state_dict(sd)
-    _assert_same(target.state_dict(), before)
+    assert_same(target.state_dict(), before)
 
 
 @pytest.mark.parametrize("info", _entries())
@@ -281,7 +257,7 @@ def test_state_keeps_its_dtypes_through_a_checkpoint():
     opt = fk.FRUGAL(groups(proj, reg), projection="randk", **HYPER)
     run(opt, proj + reg, grad_sequence(proj + reg, 2))
     other = fk.FRUGAL(groups(*make_params(dtype=torch.bfloat16)), projection="randk", **HYPER)
-    other.load_state_dict(_roundtrip(opt.state_dict()))
+    other.load_state_dict(roundtrip(opt.state_dict()))
     for st in other.state.values():
         assert st["exp_avg"].dtype == torch.float32
         if "indices" in st:
@@ -294,7 +270,7 @@ def test_adafrugal_refuses_a_frugal_checkpoint():
     run(opt, params, grad_sequence(params, 2))
     ada, _ = by_name["AdaFRUGAL-blocks"].build()
     with pytest.raises(ValueError, match="saved by FRUGAL, not AdaFRUGAL"):
-        ada.load_state_dict(_roundtrip(opt.state_dict()))
+        ada.load_state_dict(roundtrip(opt.state_dict()))
 
 
 def test_add_param_group_gets_a_subspace_at_its_next_step():

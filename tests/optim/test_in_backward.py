@@ -1,0 +1,354 @@
+"""The optimizer step inside backward (frugal_kernels.step_in_backward).
+
+Every entry of the optimizer table (tests/optim_db.py), and the swapped torch
+optimizers, trains twice from the same start on the same gradients: once with the
+ordinary loop (backward ``k`` times, then ``step()``), once with its tensors stepped
+in backward. Each gradient comes from a real backward pass (of ``sum(p * g)``, whose
+gradient is exactly ``g``), so the two loops accumulate micro-batches in the same
+order; the updates are the same op calls on the same numbers, one tensor per call
+instead of a bucket, so the parameters and the state must agree bit for bit (no
+sign-based coordinate can flip, DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+import frugal_kernels as fk
+from frugal_kernels.optim.in_backward import handle_of
+
+from ..optim_db import OPTIMIZERS, OptimizerInfo, values
+from .helpers import HYPER, assert_same, grad_sequence, groups, make_params, roundtrip
+
+STEPS = 8
+
+
+def _grouped(seed):
+    proj, reg = make_params(seed=seed)
+    return groups(proj, reg), proj + reg
+
+
+def _swapped(kind, **options):
+    def factory(inputs, **extra):
+        return fk.swap(kind(inputs, **{**options, **extra}))
+    return factory
+
+
+# The torch optimizers step_in_backward takes once swapped onto the fused ops.
+SWAPPED = (
+    OptimizerInfo("swap-AdamW", _grouped, _swapped(torch.optim.AdamW, **HYPER)),
+    OptimizerInfo("swap-Adam-L2", _grouped, _swapped(torch.optim.Adam, lr=1e-2,
+                                                     weight_decay=0.1)),
+    OptimizerInfo("swap-SGD-momentum", _grouped, _swapped(torch.optim.SGD, lr=1e-2,
+                                                          momentum=0.9, nesterov=True,
+                                                          weight_decay=0.1)),
+)
+ENTRIES = [pytest.param(info, id=info.name) for info in OPTIMIZERS + SWAPPED]
+
+
+def _build(info, seed=0):
+    return info.build(seed=seed, **info.in_backward_options)
+
+
+def _backward(params, grads):
+    """A backward pass whose gradient for each trainable tensor is exactly ``grads``'s."""
+    loss = sum((p * g).sum() for p, g in zip(params, grads) if p.requires_grad)
+    loss.backward()
+
+
+def _train(info, opt, params, grad_seq, k=1, start=0):
+    """The ordinary loop with gradient accumulation, whether or not the step runs in
+    backward: ``k`` backward passes, then step() and zero_grad()."""
+    for t in range(len(grad_seq) // k):
+        for j in range(k):
+            _backward(params, grad_seq[t * k + j])
+        opt.step()
+        opt.zero_grad()
+        if info.after_step is not None:
+            info.after_step(opt, start + t)
+
+
+def _assert_equal(a_params, b_params):
+    """Equal values (a DQT weight's are its codes, optim_db.values)."""
+    for i, (a, b) in enumerate(zip(values(a_params), values(b_params))):
+        assert torch.equal(a, b), \
+            f"param {i} differs by {(a.double() - b.double()).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("info", ENTRIES)
+def test_equals_the_ordinary_step(info, k):
+    ordinary, params = _build(info)
+    seq = grad_sequence(params, STEPS * k, seed=9)
+    _train(info, ordinary, params, seq, k)
+
+    opt, params2 = _build(info)
+    handle = fk.step_in_backward(opt, accumulation_steps=k)
+    _train(info, opt, params2, seq, k)
+    assert handle.steps == STEPS
+    _assert_equal(params2, params)
+    assert_same(opt.state_dict(), ordinary.state_dict())
+    assert all(p.grad is None for p in params2)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("info", ENTRIES)
+def test_one_gradient_is_alive_at_a_time(info, k):
+    """Counted in a hook that runs before the step's own: the tensor whose gradient just
+    completed, and those still accumulating (earlier micro-batches' gradients of tensors
+    this backward has not reached yet); every gradient stepped before is freed."""
+    opt, params = _build(info)
+    before, fired, stepped_refs, checks = set(), set(), [], []
+    stepping = [False]
+
+    def watch(p):
+        alive = {q for q in params if q.grad is not None}
+        if stepping[0]:
+            expected = ({p} | before) - fired
+            assert alive == expected, f"{len(alive)} gradients alive, expected {len(expected)}"
+            assert all(ref() is None for ref in stepped_refs), "a stepped gradient is alive"
+            stepped_refs.append(weakref.ref(p.grad))
+        else:
+            assert alive == before | fired | {p}
+        fired.add(p)
+        checks.append(len(alive))
+
+    # Watchers first, so that they run before the step's hooks; BAdam's frozen blocks are
+    # watched too (a hook needs requires_grad while it is registered).
+    for p in params:
+        frozen = not p.requires_grad
+        p.requires_grad_(True)
+        p.register_post_accumulate_grad_hook(watch)
+        p.requires_grad_(not frozen)
+    fk.step_in_backward(opt, accumulation_steps=k)
+    seq = grad_sequence(params, 4 * k)
+    for t in range(4):
+        for j in range(k):
+            stepping[0] = j == k - 1
+            before = {q for q in params if q.grad is not None}
+            fired.clear()
+            stepped_refs.clear()
+            _backward(params, seq[t * k + j])
+        opt.step()
+        opt.zero_grad()
+    assert checks and max(checks) <= (1 if k == 1 else len(params))
+    if k == 1:
+        assert set(checks) == {1}
+
+
+@pytest.mark.parametrize("info", ENTRIES)
+def test_state_dict_and_exact_resume_are_unchanged(info):
+    n, m = 5, 4
+    full, params = _build(info)
+    seq = grad_sequence(params, n + m, seed=9)
+    _train(info, full, params, seq[:n])
+    saved_ordinary = roundtrip(full.state_dict())  # state_dict() holds the live tensors
+    _train(info, full, params, seq[n:], start=n)
+
+    first, params1 = _build(info)
+    fk.step_in_backward(first)
+    _train(info, first, params1, seq[:n])
+    sd = roundtrip(first.state_dict())
+    assert_same(sd, saved_ordinary)
+    saved_params = values(params1, clone=True)
+    del first
+
+    # Resumed in backward from a checkpoint written in backward...
+    resumed, params2 = _build(info, seed=123)
+    with torch.no_grad():
+        for v, s in zip(values(params2), saved_params):
+            v.copy_(s)
+    resumed.load_state_dict(roundtrip(sd))  # torch's loader may keep sd's tensors
+    fk.step_in_backward(resumed)
+    _train(info, resumed, params2, seq[n:], start=n)
+    _assert_equal(params2, params)
+    # ...and with the ordinary step: the checkpoints are the same.
+    plain, params3 = _build(info, seed=123)
+    with torch.no_grad():
+        for v, s in zip(values(params3), saved_params):
+            v.copy_(s)
+    plain.load_state_dict(roundtrip(sd))
+    _train(info, plain, params3, seq[n:], start=n)
+    _assert_equal(params3, params)
+
+
+@pytest.mark.parametrize("info", ENTRIES)
+def test_remove_restores_the_ordinary_step(info):
+    ordinary, params = _build(info)
+    seq = grad_sequence(params, 6)
+    _train(info, ordinary, params, seq)
+
+    opt, params2 = _build(info)
+    step_before = opt.__dict__.get("step")
+    handle = fk.step_in_backward(opt)
+    assert handle_of(opt) is handle and "step" in opt.__dict__
+    _train(info, opt, params2, seq[:3])
+    handle.remove()
+    handle.remove()  # a second remove changes nothing
+    assert handle_of(opt) is None and opt.__dict__.get("step") is step_before
+    assert all(not p._post_accumulate_grad_hooks for p in params2
+               if p._post_accumulate_grad_hooks is not None)
+    # The ordinary step again: gradients stay until step(), which uses them.
+    _backward(params2, seq[3])
+    assert any(p.grad is not None for p in params2)
+    opt.step()
+    opt.zero_grad()
+    if info.after_step is not None:
+        info.after_step(opt, 3)
+    _train(info, opt, params2, seq[4:], start=4)
+    _assert_equal(params2, params)
+    # And in backward once more.
+    fk.step_in_backward(opt).remove()
+
+
+@pytest.mark.parametrize("info", [pytest.param(i, id=i.name) for i in OPTIMIZERS[:1]
+                                  + OPTIMIZERS[-1:] + SWAPPED[:1]])
+def test_lr_scheduler_and_closure(info):
+    results = []
+    for in_backward in (False, True):
+        opt, params = _build(info)
+        if in_backward:
+            fk.step_in_backward(opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        for t, grads in enumerate(grad_sequence(params, 5)):
+            def closure(grads=grads):
+                loss = sum((p * g).sum() for p, g in zip(params, grads) if p.requires_grad)
+                loss.backward()
+                return loss
+            loss = opt.step(closure)
+            assert isinstance(loss, torch.Tensor)
+            opt.zero_grad()
+            sched.step()
+        results.append(list(params))
+    _assert_equal(*results)
+
+
+# ------------------------------------------------------------------ clipping
+
+
+def test_per_tensor_clip_clips_each_gradient_by_its_own_norm():
+    info = OPTIMIZERS[0]
+    seq = [[g * 10 for g in grads] for grads in grad_sequence(_build(info)[1], 4)]
+    ordinary, params = _build(info)
+    for grads in seq:
+        _backward(params, grads)
+        for p in params:
+            coef = torch.clamp(0.5 / (torch.linalg.vector_norm(p.grad) + 1e-6), max=1.0)
+            p.grad.mul_(coef)
+        ordinary.step()
+        ordinary.zero_grad()
+    opt, params2 = _build(info)
+    fk.step_in_backward(opt, max_grad_norm=0.5)
+    _train(info, opt, params2, seq)
+    _assert_equal(params2, params)
+
+
+@pytest.mark.parametrize("info", [pytest.param(i, id=i.name) for i in OPTIMIZERS[:1]
+                                  + SWAPPED[:1]])
+def test_two_pass_global_clip_equals_clip_grad_norm(info):
+    seq = grad_sequence(_build(info)[1], 4)
+    ordinary, params = _build(info)
+    # The norm is taken over the tensors in the optimizer's order (the order of the sum
+    # decides its last bit).
+    in_order = [p for group in ordinary.param_groups for p in group["params"]]
+    for grads in seq:
+        _backward(params, grads)
+        torch.nn.utils.clip_grad_norm_(in_order, 1.0)
+        ordinary.step()
+        ordinary.zero_grad()
+    opt, params2 = _build(info)
+    handle = fk.step_in_backward(opt, max_grad_norm=1.0, clip="global")
+    for grads in seq:
+        loss = sum((p * g).sum() for p, g in zip(params2, grads))
+        with handle.norm_pass():
+            loss.backward(retain_graph=True)
+        assert all(p.grad is None for p in params2)
+        loss.backward()
+        opt.step()
+    _assert_equal(params2, params)
+
+
+def test_global_clip_without_its_norm_pass_raises_and_the_next_step_works():
+    opt, params = _build(OPTIMIZERS[0])
+    handle = fk.step_in_backward(opt, max_grad_norm=1.0, clip="global")
+    before = [p.detach().clone() for p in params]
+    grads = grad_sequence(params, 1)[0]
+    with pytest.raises(RuntimeError, match="norm_pass"):
+        _backward(params, grads)
+    _assert_equal(params, before)
+    opt.zero_grad()
+    loss = sum((p * g).sum() for p, g in zip(params, grads))
+    with handle.norm_pass():
+        loss.backward(retain_graph=True)
+    loss.backward()
+    assert handle.steps == 1 and not torch.equal(params[0], before[0])
+
+
+# ----------------------------------------------------- what cannot work says so
+
+
+@pytest.mark.parametrize("info", [pytest.param(i, id=i.name) for i in OPTIMIZERS[:1]
+                                  + OPTIMIZERS[-1:] + SWAPPED[:1]])
+def test_a_grad_scaler_raises(info):
+    opt, params = _build(info)
+    fk.step_in_backward(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    loss = sum((p * g).sum() for p, g in zip(params, grad_sequence(params, 1)[0])
+               if p.requires_grad)
+    scaler.scale(loss).backward()
+    with pytest.raises(RuntimeError, match="GradScaler cannot drive a step in backward"):
+        scaler.step(opt)
+
+
+def test_refusals_name_what_to_change():
+    proj, reg = make_params()
+    with pytest.raises(ValueError, match="nonfinite='skip'"):
+        fk.step_in_backward(fk.FRUGAL(groups(proj, reg)))
+    with pytest.raises(TypeError, match=r"frugal_kernels.swap\(optimizer\)"):
+        fk.step_in_backward(torch.optim.AdamW(proj + reg))
+    with pytest.raises(TypeError, match="step_in_backward takes"):
+        fk.step_in_backward(torch.optim.RMSprop(proj + reg))
+    opt = fk.FRUGAL(groups(proj, reg), nonfinite="raise")
+    for bad in (dict(accumulation_steps=True), dict(accumulation_steps=2.0),
+                dict(max_grad_norm="1")):
+        with pytest.raises(TypeError):
+            fk.step_in_backward(opt, **bad)
+    for bad, message in [(dict(accumulation_steps=0), "accumulation_steps"),
+                         (dict(max_grad_norm=-1.0), "max_grad_norm"),
+                         (dict(max_grad_norm=float("inf")), "max_grad_norm"),
+                         (dict(clip="layer"), "clip must be one of"),
+                         (dict(max_grad_norm=1.0, clip="global", accumulation_steps=2),
+                          "accumulation_steps > 1")]:
+        with pytest.raises(ValueError, match=message):
+            fk.step_in_backward(opt, **bad)
+    handle = fk.step_in_backward(opt)
+    with pytest.raises(ValueError, match="already steps in backward"):
+        fk.step_in_backward(opt)
+    with pytest.raises(RuntimeError, match="clip='global'"):
+        with handle.norm_pass():
+            pass
+    # Switched to skip after the hooks were set: the next step refuses, from backward.
+    opt.nonfinite = "skip"
+    with pytest.raises(ValueError, match="nonfinite='skip'"):
+        _backward(proj + reg, grad_sequence(proj + reg, 1)[0])
+
+
+def test_a_non_finite_gradient_raises_from_backward_naming_its_tensor():
+    opt, params = _build(OPTIMIZERS[0])
+    handle = fk.step_in_backward(opt)
+    grads = grad_sequence(params, 2)
+    grads[0][0] = grads[0][0].clone()
+    grads[0][0].view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=r"params\[0\] of param group 1 .* non-finite"):
+        _backward(params, grads[0])
+    opt.zero_grad()
+    _backward(params, grads[1])  # the next backward steps again
+    assert handle.steps == 1 and all(p.grad is None for p in params)
+
+
+def test_exported_at_the_top():
+    assert fk.step_in_backward is fk.optim.step_in_backward
+    assert "step_in_backward" in fk.__all__
