@@ -224,9 +224,10 @@ def _dqt(update: str, projection: str = "columns"):
 
 OPTIMIZERS = OPTIMIZERS + tuple(
     OptimizerInfo(name=f"DQT-{update}", make_model=_quant_model, factory=_dqt(update),
-                  misfits=_frugal_misfits("columns")[:2])
+                  misfits=_frugal_misfits("columns")[:2], in_backward_options=_IN_BACKWARD)
     for update in ("adamw", "sign")) + tuple(
     OptimizerInfo(name=f"DQT-frugal-{projection}", make_model=_quant_model,
                   factory=_dqt("frugal", projection), variants=_RESET_VARIANTS,
-                  resumed_attributes=_RESUMED, misfits=_frugal_misfits(projection))
+                  resumed_attributes=_RESUMED, misfits=_frugal_misfits(projection),
+                  in_backward_options=_IN_BACKWARD)
     for projection in ("blocks", "columns", "rows", "randk"))
