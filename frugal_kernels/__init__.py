@@ -9,8 +9,9 @@ from frugal_kernels._version import __version__
 from frugal_kernels._build_info import build_info
 from frugal_kernels import ops, reference
 from frugal_kernels.governor import Governor
-from frugal_kernels.optim import FRUGAL, AdaFRUGAL, BAdam, param_groups
+from frugal_kernels.optim import (FRUGAL, AdaFRUGAL, BAdam, optimizer_state_dict_template,
+                                  param_groups)
 from frugal_kernels.optim.swap import swap
 
 __all__ = ["__version__", "build_info", "ops", "reference", "Governor", "FRUGAL", "AdaFRUGAL",
-           "BAdam", "param_groups", "swap"]
+           "BAdam", "param_groups", "swap", "optimizer_state_dict_template"]
