@@ -201,7 +201,7 @@ class ShardLayout:
         padded = block.new_zeros((size, *block.shape[1:]))
         padded[:block.shape[0]] = block
         out = block.new_empty((self.num_shards * size, *block.shape[1:]))
-        dist.all_gather_into_tensor(out, padded, group=self.group)
+        dist.all_gather_single(out, padded, group=self.group)
         return out[:n]
 
     def broadcast(self, t: Tensor) -> Tensor:
@@ -272,5 +272,5 @@ def _all_gather_ragged(block: Tensor, group: object, world: int) -> Tensor:
     padded = block.new_zeros((longest, *block.shape[1:]))
     padded[:block.shape[0]] = block
     out = block.new_empty((world * longest, *block.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
+    dist.all_gather_single(out, padded, group=group)
     return torch.cat([out[r * longest:r * longest + c] for r, c in enumerate(counts)])
