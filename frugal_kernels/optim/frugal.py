@@ -12,6 +12,7 @@ from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check
 from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
 from frugal_kernels.optim.projections import DENSE, FAMILIES, Projection, Subspace
+from frugal_kernels.optim.sharding import local
 from frugal_kernels.optim.subspace import BLOCK_ORDERS, PROJECTIONS
 
 __all__ = ["FRUGAL"]
@@ -251,7 +252,9 @@ class FRUGAL(FusedOptimizer):
             st = self.state[p]
             kind = assignment.subset_kind if assignment.rule == "subset" else None
             for key in ("exp_avg", "exp_avg_sq"):
-                st[key].copy_(_gather(old[key], st.get("indices"), kind))
+                # A DTensor's moments (FSDP2): the local block holds this rank's rows,
+                # which the local ids index.
+                st[key].copy_(_gather(local(old[key]), st.get("indices"), kind))
             st["step"] = torch.tensor(old["step"], dtype=torch.float32)
         return assignment
 

@@ -213,6 +213,18 @@ def _rank(rank, world, port, out):
         results[name]["from_one"] = full_params(model)
         results[name]["from_one_history"] = [dict(h) for h in opt.history]
 
+    # swap and from_optimizer on DTensors: a torch AdamW on the fused op, and turned into
+    # FRUGAL at density 1 (which continues AdamW), against torch's own AdamW.
+    torch_run, swapped, turned = (shard(Net(), mesh) for _ in range(3))
+    adamw = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (torch_run, swapped, turned)]
+    fk.swap(adamw[1])
+    for m, opt in zip((torch_run, swapped, turned), adamw):
+        train(m, opt, 0, CUT, rank, world)
+    frugal = fk.FRUGAL.from_optimizer(adamw[2], density=1.0, projection="rows")
+    for m, opt in zip((torch_run, swapped, turned), (adamw[0], adamw[1], frugal)):
+        train(m, opt, CUT, STEPS, rank, world)
+    results["swap"] = [full_params(m) for m in (torch_run, swapped, turned)]
+
     # BAdam over a FRUGAL: it steps, but has no state dict on DTensors yet (clear error).
     inner = fk.BAdam(shard(Net(), mesh), switch_every=2, inner="frugal", projection="rows")
     try:
@@ -392,6 +404,14 @@ def test_a_checkpoint_of_one_process_resumes_on_two_ranks(runs, name):
     for r in ranks:
         assert r[name]["from_one_history"] == [dict(h) for h in opt.history]
     assert_close_run(ranks[0][name]["from_one"], model.parameters(), name)
+
+
+def test_swap_and_from_optimizer_on_dtensors_follow_torchs_adamw(runs):
+    _, ranks = runs
+    reference, swapped, turned = ranks[0]["swap"]
+    for a, b, c in zip(reference, swapped, turned):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
 
 
 def test_badam_over_frugal_refuses_a_state_dict_on_dtensors(runs):
