@@ -46,9 +46,16 @@ SHARDED_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
 def _dtensor():
     # torch.distributed.tensor is imported only where a DTensor can exist: torch builds
-    # without distributed support have no such module.
+    # without distributed support have no such module. (Public from torch 2.5; FSDP2's
+    # fully_shard, from 2.6, is what this module is tested with, on torch 2.13.)
     from torch.distributed import tensor
     return tensor
+
+
+def _all_gather(out: Tensor, block: Tensor, group: object) -> None:
+    # torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, block, group=group)
 
 
 def is_sharded(t: Tensor) -> bool:
@@ -201,13 +208,13 @@ class ShardLayout:
         padded = block.new_zeros((size, *block.shape[1:]))
         padded[:block.shape[0]] = block
         out = block.new_empty((self.num_shards * size, *block.shape[1:]))
-        dist.all_gather_single(out, padded, group=self.group)
+        _all_gather(out, padded, self.group)
         return out[:n]
 
     def broadcast(self, t: Tensor) -> Tensor:
         """``t`` as the shard group's first rank holds it, on every rank, in place."""
         if self.num_shards > 1:
-            dist.broadcast(t, group=self.group, group_src=0)
+            dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
         return t
 
 
@@ -272,5 +279,5 @@ def _all_gather_ragged(block: Tensor, group: object, world: int) -> Tensor:
     padded = block.new_zeros((longest, *block.shape[1:]))
     padded[:block.shape[0]] = block
     out = block.new_empty((world * longest, *block.shape[1:]))
-    dist.all_gather_single(out, padded, group=group)
+    _all_gather(out, padded, group)
     return torch.cat([out[r * longest:r * longest + c] for r, c in enumerate(counts)])
