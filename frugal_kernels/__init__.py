@@ -11,8 +11,10 @@ from frugal_kernels._build_info import build_info
 from frugal_kernels import nn, ops, reference
 from frugal_kernels.governor import Governor
 from frugal_kernels.nn import quantize_
-from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam, param_groups, step_in_backward
+from frugal_kernels.optim import (DQT, FRUGAL, AdaFRUGAL, BAdam, optimizer_state_dict_template,
+                                  param_groups, step_in_backward)
 from frugal_kernels.optim.swap import swap
 
 __all__ = ["__version__", "build_info", "nn", "ops", "reference", "Governor", "FRUGAL",
-           "AdaFRUGAL", "BAdam", "DQT", "param_groups", "quantize_", "step_in_backward", "swap"]
+           "AdaFRUGAL", "BAdam", "DQT", "param_groups", "quantize_", "step_in_backward", "swap",
+           "optimizer_state_dict_template"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -147,12 +148,69 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launched() -> bool:
+    """Whether torchrun (torch.distributed.run) started this process."""
+    return all(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+# What each parallel mode can train: DDP fixes the trainable parameters when it wraps
+# the model, and BAdam changes them; FSDP2 hands the optimizer DTensors, which the
+# package's optimizers and torch's AdamW take (the peers' are untested there).
+_PARALLEL_OPTIMIZERS = {"ddp": ("adamw", "frugal", "adafrugal"),
+                        "fsdp": ("adamw", "frugal", "adafrugal", "badam", "badam+frugal")}
+
+
+def _parallel(args: argparse.Namespace) -> Optional[str]:
+    """The parallel mode of ``train``: under torchrun DDP, or FSDP2 with --fsdp; none alone.
+    Starts the default process group (gloo on the CPU, NCCL on GPUs) and picks each
+    rank's GPU."""
+    if not _launched():
+        if args.fsdp:
+            raise CommandLineError("--fsdp runs under torchrun: torchrun --nproc_per_node=N "
+                                   "-m frugal_kernels train --fsdp ...")
+        return None
+    mode = "fsdp" if args.fsdp else "ddp"
+    if args.optimizer not in _PARALLEL_OPTIMIZERS[mode]:
+        raise CommandLineError(
+            f"--optimizer {args.optimizer} does not run under {mode.upper()} (it runs "
+            f"{', '.join(_PARALLEL_OPTIMIZERS[mode])}"
+            + ("; BAdam changes the trainable parameters, which DDP fixes: use --fsdp)"
+               if mode == "ddp" and args.optimizer.startswith("badam") else ")"))
+    import torch
+    import torch.distributed as dist
+
+    gpu = _device(args.device).startswith("cuda")
+    if gpu:
+        args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(args.device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if gpu else "gloo")
+    return mode
+
+
 def _train(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    parallel = _parallel(args)
+    try:
+        return _train_run(args, parallel)
+    finally:
+        if parallel is not None:
+            dist.destroy_process_group()
+
+
+def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
     from frugal_kernels import demo
     from frugal_kernels.data import load_corpus
     from frugal_kernels.train import TrainConfig, steps_for_budget
+    import torch.distributed as dist
 
-    config = _train_config(args, TrainConfig())
+    # The first rank speaks for a parallel run.
+    say = print if parallel is None or dist.get_rank() == 0 else (lambda *a, **k: None)
+    config = dataclasses.replace(_train_config(args, TrainConfig()), parallel=parallel)
+    if parallel is not None and config.batch_size % dist.get_world_size():
+        raise CommandLineError(f"--batch-size {config.batch_size} (the global batch) does not "
+                               f"split over {dist.get_world_size()} ranks")
     if args.lr is None and args.matrix_lr_ratio is None:  # the demo's tuned lrs, if any
         config = demo.run_config(config, args.optimizer)
     data = load_corpus(config.data, max_bytes=config.max_bytes)
@@ -166,26 +224,27 @@ def _train(args: argparse.Namespace) -> int:
             config = config.with_steps(steps_for_budget(args.flop_budget, config,
                                                         data.vocab_size),
                                        warmup_steps=args.warmup_steps, eval_every=args.eval_every)
-    print(f"frugal-kernels train: {demo.OPTIMIZERS[args.optimizer].label} on the {config.model} "
-          f"model ({config.model_config(data.vocab_size).num_params():,} parameters), "
-          f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
-          f"{config.device}"
-          + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else ""))
+    say(f"frugal-kernels train: {demo.OPTIMIZERS[args.optimizer].label} on the {config.model} "
+        f"model ({config.model_config(data.vocab_size).num_params():,} parameters), "
+        f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
+        f"{config.device}"
+        + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else "")
+        + (f", {parallel.upper()} over {dist.get_world_size()} ranks" if parallel else ""))
     try:
         metrics = demo.run_train(config, args.optimizer, data=data, out=args.out,
                                  progress=_progress(args), save_model=args.save_model)
     except ValueError as exc:  # a peer whose package is missing
         raise CommandLineError(str(exc)) from None
     run = metrics["runs"][args.optimizer]
-    print()
-    print(demo.table(metrics))
-    print(f"\n{run['stop_reason']}")
+    say()
+    say(demo.table(metrics))
+    say(f"\n{run['stop_reason']}")
     if run["decisions"]:
         actions = [d["action"] for d in run["decisions"]]
-        print(f"governor: {len(actions)} evaluations, {actions.count('reallocate')} "
-              f"reallocations; {run['summary']['flops']:.4g} of {config.flop_budget:.4g} FLOPs "
-              "spent")
-    print("wrote " + ", ".join(metrics["files"]))
+        say(f"governor: {len(actions)} evaluations, {actions.count('reallocate')} "
+            f"reallocations; {run['summary']['flops']:.4g} of {config.flop_budget:.4g} FLOPs "
+            "spent")
+    say("wrote " + ", ".join(metrics["files"]))
     return 0
 
 
@@ -317,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "budget is not worth spending (default 0.005)")
     train_parser.add_argument("--save-model", action="store_true",
                               help="also write the trained weights to model.pt")
+    train_parser.add_argument("--fsdp", action="store_true",
+                              help="under torchrun, shard the model with FSDP2 (fully_shard: "
+                                   "each rank holds its rows of the weights and of the "
+                                   "optimizer state); without it a torchrun launch is DDP. "
+                                   "--batch-size is the global batch")
     _add_training_arguments(train_parser, train_defaults)
     train_parser.set_defaults(func=_train)
 

@@ -115,7 +115,9 @@ def projection_rank(projection: Tensor, side: int) -> int:
 
 def project(grad: Tensor, projection: Tensor, side: int) -> Tensor:
     """The projected gradient ``P^T g`` in fp32 (``g @ P^T`` or ``P^T @ g`` by side)."""
-    g2 = grad.reshape(grad.shape[0], -1).float()
+    # [m, rest] spelled out: reshape(m, -1) is ambiguous for a tensor of 0 rows (an
+    # FSDP2 rank's block can have none).
+    g2 = grad.reshape(matrix_shape(grad.shape)).float()
     return g2 @ projection.t() if side == RIGHT else projection.t() @ g2
 
 

@@ -261,7 +261,8 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
     :data:`OPTIMIZERS`, under the compute governor when ``config.flop_budget`` is set, on
     ``data`` (default ``load_corpus(config.data)``); write ``metrics.json``, ``train.png``
     and, with ``save_model``, the trained weights ``model.pt`` into ``out`` (default
-    ``runs/train-<time>``).
+    ``runs/train-<time>``). A parallel run (``config.parallel``, every rank calling this)
+    writes from its first rank.
 
     Returns the metrics (what ``metrics.json`` holds) with ``"out"`` and ``"files"`` added.
     """
@@ -280,10 +281,21 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
     result = train(config, entry.make, model=model, data=data, name=entry.label,
                    progress=progress)
     metrics = collect_metrics(config, data, {name: result}, time.perf_counter() - started)
-    files = write(metrics, out, "train")
+    # A parallel run (config.parallel) writes from its first rank only.
+    first = config.parallel is None or torch.distributed.get_rank() == 0
+    files = write(metrics, out, "train") if first else []
     if save_model:
-        torch.save(model.state_dict(), out / "model.pt")
-        files.append(str(out / "model.pt"))
+        state = model.state_dict()
+        if config.parallel == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 get_model_state_dict)
+
+            # The whole weights, gathered on the first rank (every rank takes part).
+            state = get_model_state_dict(model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True))
+        if first:
+            torch.save(state, out / "model.pt")
+            files.append(str(out / "model.pt"))
     return {**metrics, "out": str(out), "files": files}
 
 

@@ -36,6 +36,7 @@ from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
 from frugal_kernels.nn import QuantLinear
 from frugal_kernels.optim.in_backward import handle_of
 from frugal_kernels.optim.memory import release_freed_memory, storage_bytes
+from frugal_kernels.optim.sharding import local
 
 __all__ = [
     "OptimizerFactory",
@@ -66,6 +67,12 @@ class TrainConfig:
     ``flop_budget`` puts the run under a :class:`~frugal_kernels.Governor` built with
     ``governor`` (its keyword arguments).
 
+    ``parallel`` spreads the run over the processes of an initialized default process
+    group (``torchrun``): ``"ddp"`` (DistributedDataParallel) or ``"fsdp"`` (FSDP2's
+    ``fully_shard`` on every decoder layer and the whole model). ``batch_size`` is then
+    the global batch, each rank taking its share of every batch, so that the run is
+    the one-process run but for rounding.
+
     The defaults are those of ``frugal-kernels demo`` (docs/demo.md): batches of 16
     sequences, and a run short enough for the whole demo, nine optimizers, to take about
     five minutes on a 2-core CPU.
@@ -91,6 +98,7 @@ class TrainConfig:
     max_bytes: Optional[int] = DEFAULT_MAX_BYTES
     flop_budget: Optional[float] = None
     governor: dict[str, Any] = field(default_factory=dict)
+    parallel: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_batches"):
@@ -101,6 +109,9 @@ class TrainConfig:
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"warmup_steps must lie in [0, steps={self.steps}], "
                              f"got {self.warmup_steps}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"parallel must be one of {', '.join(map(str, PARALLEL))}, got "
+                             f"{self.parallel!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got "
                              f"{self.schedule!r}")
@@ -153,6 +164,7 @@ OptimizerFactory = Callable[[nn.Module, TrainConfig], Optimizer]
 
 
 SCHEDULES = ("wsd", "cosine")
+PARALLEL = (None, "ddp", "fsdp")
 
 
 def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float,
@@ -219,6 +231,7 @@ def optimizer_step_flops(opt: Optimizer) -> int:
     the AdamW rate, the others at the rate of their group's ``state_free`` rule (SGD for groups
     that have none, e.g. a torch optimizer's parameters without moments). For low-rank FRUGAL
     the projections' matmuls are left out, as the governor's table has no entry for them.
+    Under FSDP2 (DTensor parameters) it counts this rank's rows.
     """
     flops = 0
     for group in opt.param_groups:
@@ -227,9 +240,11 @@ def optimizer_step_flops(opt: Optimizer) -> int:
             rest_rule = "sgd"
         for p in group["params"]:
             exp_avg = opt.state[p].get("exp_avg") if p in opt.state else None
-            state_full = 0 if exp_avg is None else min(exp_avg.numel(), p.numel())
+            # This rank's: a DTensor's (FSDP2) block and the state of its rows.
+            numel = local(p).numel()
+            state_full = 0 if exp_avg is None else min(local(exp_avg).numel(), numel)
             flops += optimizer_flops(state_full, "adamw")
-            flops += optimizer_flops(p.numel() - state_full, rest_rule)
+            flops += optimizer_flops(numel - state_full, rest_rule)
     return flops
 
 
@@ -399,6 +414,46 @@ def _evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
     return total / len(batches)
 
 
+def _ranks(config: TrainConfig) -> tuple[int, int]:
+    """(rank, world size) of a parallel run (checked), (0, 1) otherwise."""
+    if config.parallel is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"parallel={config.parallel!r} runs on an initialized default process "
+                         "group: start the run with torchrun")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if config.batch_size % world:
+        raise ValueError(f"the global batch of {config.batch_size} sequences does not split "
+                         f"over {world} ranks")
+    return rank, world
+
+
+def _parallelize(model: nn.Module, parallel: Optional[str]) -> nn.Module:
+    """The module to run forward: DDP's wrapper of ``model``, or ``model`` itself, sharded
+    in place by FSDP2 (every decoder layer a unit, the rest, embeddings and head, the
+    root's), or as it is. The optimizer takes ``model``'s parameters in every case."""
+    if parallel == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model
+
+
+def _sum_over_ranks(*values: float, device: torch.device) -> tuple:
+    import torch.distributed as dist
+
+    total = torch.tensor(values, dtype=torch.float64,
+                         device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(total)
+    return tuple(total.tolist())
+
+
 def train(
     config: TrainConfig,
     make_optimizer: OptimizerFactory,
@@ -421,6 +476,13 @@ def train(
     ``progress``: ``"bar"`` draws a progress bar on stderr, ``"lines"`` writes one line per
     evaluation there (for log files and CI, where a bar's carriage returns pile up), True
     picks the bar on a terminal and the lines elsewhere, False writes nothing.
+
+    With ``config.parallel`` (see :class:`TrainConfig`) every rank runs this with the same
+    config: each takes its share of every batch, the validation losses are those of the
+    whole model on the same batches on every rank, the training loss and the optimizer's
+    FLOPs are summed over the ranks, so that the governor and AdaFRUGAL see the same
+    numbers everywhere and decide alike; memory and state bytes are this rank's, and
+    only the first rank writes progress.
     """
     from tqdm.auto import tqdm
 
@@ -430,8 +492,11 @@ def train(
     if model is None:
         model = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
     model.to(device).train()
+    rank, world = _ranks(config)
+    forward = _parallelize(model, config.parallel)
     fpt = flops_per_token(model.config, config.seq_len)
     tokens = config.tokens_per_step()
+    share = config.batch_size // world
     val_batches = data.validation_batches(config.batch_size, config.seq_len,
                                           num_batches=config.eval_batches, device=device)
     batches = data.batches("train", config.batch_size, config.seq_len, seed=config.seed,
@@ -462,6 +527,8 @@ def train(
     started = time.perf_counter()
     if progress is True:
         progress = "bar" if sys.stderr.isatty() else "lines"
+    if rank != 0:
+        progress = False
     bar = tqdm(total=config.steps, desc=name, unit="step", disable=progress != "bar",
                leave=True)
     with bar:
@@ -469,7 +536,10 @@ def train(
             _synchronize(device)
             t0 = time.perf_counter()
             input_ids, labels = next(batches)
-            loss = model(input_ids, labels=labels).loss
+            if world > 1:  # this rank's share of the global batch
+                input_ids = input_ids[rank * share:(rank + 1) * share]
+                labels = labels[rank * share:(rank + 1) * share]
+            loss = forward(input_ids, labels=labels).loss
             if in_backward is not None and in_backward.clip == "global" \
                     and in_backward.max_grad_norm is not None:
                 # The global-norm clip of a step in backward: the norm in a first pass.
@@ -489,10 +559,12 @@ def train(
             opt.zero_grad(set_to_none=True)
             lr = opt.param_groups[0]["lr"]
             schedule.step()
+            opt_flops = optimizer_step_flops(opt)
             train_loss = loss.item()
+            if world > 1:
+                train_loss, opt_flops = _sum_over_ranks(train_loss / world, opt_flops, device=device)
             step_time = time.perf_counter() - t0
 
-            opt_flops = optimizer_step_flops(opt)
             flops += tokens * fpt + opt_flops
             record = {"step": step, "train_loss": train_loss, "lr": float(lr),
                       "step_time": step_time, "optimizer_time": opt_time,
@@ -510,7 +582,7 @@ def train(
                    or (governor is not None and governor.exhausted))
             decision = None
             if due:
-                val_loss = _evaluate(model, val_batches)
+                val_loss = _evaluate(forward, val_batches)
                 result.evaluations.append({"step": step, "val_loss": val_loss, "flops": flops,
                                            "time": time.perf_counter() - started})
                 if progress == "lines":

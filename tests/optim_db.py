@@ -117,7 +117,8 @@ def _frugal_misfits(projection: str) -> Tuple[Misfit, ...]:
     parameter's AdamW state, which every projection keeps)."""
     other = "rows" if projection != "rows" else "columns"
     return (
-        Misfit("no frugal entry", lambda sd: sd.pop("frugal"), "not saved by a FRUGAL optimizer"),
+        Misfit("no frugal entry", lambda sd: sd["param_groups"][0].pop("frugal"),
+               "not saved by a FRUGAL optimizer"),
         Misfit("fewer groups", lambda sd: sd["param_groups"].pop(), "1 param groups"),
         Misfit("fewer params", lambda sd: sd["param_groups"][1]["params"].pop(),
                "params but the state dict"),

@@ -235,6 +235,7 @@ BAD_ARGUMENTS = [
     (["bench", "--rounds", "-1"], "--rounds"),
     (["bench", "--preset", "7b"], "--preset"),
     (["train", "--warmup-steps", "50", "--steps", "10"], "warmup_steps"),
+    (["train", "--fsdp"], "--fsdp runs under torchrun"),
     (["nosuch"], "invalid choice"),
     (["sweep"], "--lrs"),
     (["sweep", "--lrs", "0"], "--lrs"),

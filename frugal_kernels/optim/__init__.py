@@ -3,8 +3,10 @@
 from frugal_kernels.optim.adafrugal import AdaFRUGAL
 from frugal_kernels.optim.badam import BAdam
 from frugal_kernels.optim.dqt import DQT
+from frugal_kernels.optim.checkpoint import optimizer_state_dict_template
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.grouping import param_groups
 from frugal_kernels.optim.in_backward import step_in_backward
 
-__all__ = ["FRUGAL", "AdaFRUGAL", "BAdam", "DQT", "param_groups", "step_in_backward"]
+__all__ = ["FRUGAL", "AdaFRUGAL", "BAdam", "DQT", "param_groups", "step_in_backward",
+           "optimizer_state_dict_template"]

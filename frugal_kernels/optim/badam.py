@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from frugal_kernels import ops
+from frugal_kernels.optim import sharding
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.memory import release_freed_memory
 
@@ -32,6 +33,12 @@ _EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|wte|wpe|embeddings?)\.")
 _HEAD = re.compile(r"(?:^|\.)lm_head\.")
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
+
+# Format of the "badam" entry of the state dict. 2: in the first param group, its
+# history written as lists of [key, value] pairs (torch.distributed.checkpoint's
+# get_optimizer_state_dict keeps "state" and "param_groups" only, and keeps a list of
+# dicts only as far as the template it loads into has entries); 1: a top-level entry.
+_FORMAT = 2
 
 BlockSpec = Union[Dict[str, Sequence[str]], Sequence[Sequence[str]]]
 
@@ -91,6 +98,10 @@ class BAdam(torch.optim.Optimizer):
     (``state["master"]``, 4 bytes per active parameter beside the 8 of the moments,
     plus an fp32 copy of the block's gradient during the step); the update runs on
     it and is rounded back into the parameter after every step.
+
+    DTensor parameters (FSDP2's ``fully_shard``) are stepped through their local
+    blocks, with state for the local rows only; ``state_dict()`` gives that state as
+    DTensors of the parameters' shape (see :meth:`state_dict`).
 
     ``opt.active_block`` is the active block's name (``opt.active_block_index`` its
     index in ``opt.block_names``); ``opt.history`` lists the switches (step, block,
@@ -156,6 +167,10 @@ class BAdam(torch.optim.Optimizer):
         self.inner = inner
         self._frugal_options = dict(frugal_options)
         self._inner: Optional[FRUGAL] = None  # inner="frugal": the active block's optimizer
+        # The DTensor parameters' layouts (FSDP2): where each rank's rows lie.
+        self._layouts = {p: layout for n, ps in zip(names, block_params) for i, p in
+                         enumerate(ps)
+                         if (layout := sharding.layout_of(p, f"block {n!r} params[{i}]"))}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__([{"params": ps, "block": n} for n, ps in zip(names, block_params)],
                          defaults)
@@ -292,11 +307,14 @@ class BAdam(torch.optim.Optimizer):
             by_kind[(p.dtype, p.device)].append(p)
         for (dtype, _), ps in by_kind.items():
             states = [self._state_of(p) for p in ps]
+            # A DTensor is stepped through its local block (a view of its storage).
+            grads = [sharding.local(p.grad) for p in ps]
+            ps = [sharding.local(p) for p in ps]
             if dtype == torch.float32:
-                targets, grads = ps, [p.grad for p in ps]
+                targets = ps
             else:
                 targets = [st["master"] for st in states]
-                grads = [p.grad.float() for p in ps]
+                grads = [g.float() for g in grads]
             ops.adamw_(targets, grads, [st["exp_avg"] for st in states],
                        [st["exp_avg_sq"] for st in states], lr=group["lr"], beta1=beta1,
                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
@@ -334,11 +352,12 @@ class BAdam(torch.optim.Optimizer):
     def _state_of(self, p: Tensor) -> dict:
         st = self.state[p]
         if not st:
-            st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
+            block = sharding.local(p.detach())  # a DTensor's state is its local rows'
+            st["exp_avg"] = torch.zeros_like(block, dtype=torch.float32,
                                              memory_format=torch.contiguous_format)
             st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
             if p.dtype != torch.float32:
-                st["master"] = p.detach().float().contiguous()
+                st["master"] = block.float().contiguous()
         return st
 
     # ---------------------------------------------------------------- schedule
@@ -356,7 +375,7 @@ class BAdam(torch.optim.Optimizer):
     def _switch(self, reason: str) -> None:
         for p in self.param_groups[self.active_block_index]["params"]:
             _deactivate(p)
-        self.state = defaultdict(dict)
+        self.state = defaultdict(dict)  # _activate gives the new block its entries
         self._inner = None
         release_freed_memory()
         self._cursor += 1
@@ -371,6 +390,10 @@ class BAdam(torch.optim.Optimizer):
     def _activate(self, index: int) -> None:
         for p in self.param_groups[index]["params"]:
             p.requires_grad_(True)
+            # An empty entry until the block's first step: torch.distributed.checkpoint's
+            # get/set_optimizer_state_dict take a step with zero gradients on an
+            # optimizer whose state is empty, which would count a step of the block.
+            self.state[p]
         if self.inner == "frugal":
             self._inner = self._make_inner(index)
 
@@ -378,12 +401,27 @@ class BAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's layout (``state`` holds tensors only: exp_avg, exp_avg_sq and, for
-        low-precision params, master) plus ``"badam"``: block names, the current
-        epoch's order and position, step counts, switch_every, the generator state
-        and the history. Everything loads with ``torch.load(weights_only=True)``."""
+        low-precision params, master) plus the ``"badam"`` entry of the first param
+        group: block names, the current epoch's order and position, step counts,
+        switch_every, the generator state and the history. Everything loads with
+        ``torch.load(weights_only=True)``.
+
+        With DTensor parameters the state tensors are DTensors of the parameter's
+        shape, split as it is (what ``torch.distributed.checkpoint`` reshards)."""
         sd = super().state_dict()
-        sd["badam"] = {
-            "version": 1,
+        if self._layouts:
+            if self._inner is not None:
+                raise ValueError("BAdam(inner='frugal') on DTensor parameters (FSDP2) has no "
+                                 "state dict yet: its inner FRUGAL's state is not keyed by "
+                                 "the model's parameters; use inner='adamw' to checkpoint")
+            params = [p for g in self.param_groups for p in g["params"]]
+            for pid, p in enumerate(params):
+                layout = self._layouts.get(p)
+                if layout is not None and sd["state"].get(pid):
+                    sd["state"][pid] = {k: layout.to_dtensor(v, p.shape)
+                                        for k, v in sd["state"][pid].items()}
+        sd["param_groups"][0]["badam"] = {
+            "version": _FORMAT,
             "block_names": list(self.block_names),
             "switch_mode": self.switch_mode,
             "epoch": list(self._epoch),
@@ -392,20 +430,28 @@ class BAdam(torch.optim.Optimizer):
             "block_steps": self._block_steps,
             "switch_every": self._switch_every,
             "generator": self._generator.get_state(),
-            "history": [dict(h) for h in self.history],
+            "history": [[[k, v] for k, v in h.items()] for h in self.history],
             "inner": self.inner,
             "inner_state": self._inner.state_dict() if self._inner is not None else None,
         }
         return sd
 
+    def _expect_saved_state(self, params: List[Tensor]) -> None:
+        """``params`` have state in a checkpoint about to be loaded with
+        torch.distributed.checkpoint's ``set_optimizer_state_dict``, which passes on
+        the state of parameters that require grad only: let them require it
+        (:meth:`load_state_dict` sets every flag by the loaded schedule)."""
+        for p in params:
+            p.requires_grad_(True)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume exactly from :meth:`state_dict` (the model's parameters are the
         caller's to restore), or raise a ValueError that says why the checkpoint does
-        not fit this optimizer; nothing is changed then."""
-        extra = state_dict.get("badam")
-        if extra is None:
-            raise ValueError("this state dict was not saved by BAdam (no 'badam' entry); it "
-                             "cannot resume the block schedule")
+        not fit this optimizer; nothing is changed then.
+
+        With DTensor parameters the state is taken as DTensors of any split (or plain
+        tensors holding the whole); this rank keeps its rows."""
+        extra = _saved_extra(state_dict)
         n = len(self.block_names)
         if list(extra["block_names"]) != self.block_names:
             raise ValueError(f"the state dict's blocks {list(extra['block_names'])} are not "
@@ -435,7 +481,7 @@ class BAdam(torch.optim.Optimizer):
                  for pid, p in zip(saved["params"], group["params"])]
         active_ids = set(saved_groups[active]["params"])
         for pid, p in pairs:
-            if pid in saved_state:
+            if saved_state.get(pid):  # an empty entry is no state
                 if pid not in active_ids:
                     raise ValueError(f"the state dict holds state for param {pid}, which is "
                                      "not in the active block")
@@ -453,14 +499,21 @@ class BAdam(torch.optim.Optimizer):
             inner = self._make_inner(active)
             inner.load_state_dict(extra["inner_state"])
 
+        loaded = {}
+        for pid, p in pairs:
+            if saved_state.get(pid):  # an empty entry is no state
+                layout = self._layouts.get(p)
+                loaded[p] = {k: v.to(p.device, copy=True) if layout is None
+                             else layout.block_of(v, p.device)
+                             for k, v in saved_state[pid].items()}
+
         # torch's loader would cast the fp32 moments and master copies to the
         # parameters' dtype: load the groups through it and the state here.
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
-        self.state = defaultdict(dict)
-        for pid, p in pairs:
-            if pid in saved_state:
-                self.state[p] = {k: v.to(p.device, copy=True)
-                                 for k, v in saved_state[pid].items()}
+        super().load_state_dict({"state": {}, "param_groups": [
+            {k: v for k, v in g.items() if k != "badam"} for g in saved_groups]})
+        self.state = defaultdict(dict, loaded)
+        for p in self.param_groups[active]["params"]:
+            self.state[p]  # the active block's entries (see _activate)
         self._epoch, self._cursor = epoch, cursor
         self._steps_taken = int(extra["steps_taken"])
         self._block_steps = int(extra["block_steps"])
@@ -477,6 +530,26 @@ class BAdam(torch.optim.Optimizer):
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _saved_extra(state_dict: dict) -> dict:
+    """The "badam" entry of a saved state dict, of either format, as format 1 holds it
+    (the history as dicts)."""
+    groups = state_dict.get("param_groups") or [{}]
+    extra = groups[0].get("badam") if isinstance(groups[0], dict) else None
+    if extra is None:
+        extra = state_dict.get("badam")  # format 1
+        if extra is None:
+            raise ValueError("this state dict was not saved by BAdam (no 'badam' entry); it "
+                             "cannot resume the block schedule")
+        return extra
+    history = extra.get("history")
+    if not isinstance(history, (list, tuple)) or not all(
+            isinstance(h, (list, tuple)) and all(
+                isinstance(kv, (list, tuple)) and len(kv) == 2 for kv in h) for h in history):
+        raise ValueError("the state dict's 'badam' history is not a list of lists of "
+                         "[key, value] pairs")
+    return {**extra, "history": [{k: v for k, v in h} for h in history]}
 
 
 def _deactivate(p: Tensor) -> None:

@@ -7,6 +7,11 @@ dtypes of the state); a subclass says which projection family each group
 uses (:meth:`FusedOptimizer._family`), what changes before a step
 (:meth:`FusedOptimizer._before_plan`: subspaces, active blocks) and which rule
 each tensor takes (:meth:`FusedOptimizer._assign`).
+
+DTensor parameters (FSDP2's ``fully_shard``) are stepped through their local
+blocks, with state for the local rows only (:mod:`frugal_kernels.optim.sharding`);
+``state_dict()`` gives the state in its global form and ``load_state_dict``
+takes it back, so that ``torch.distributed.checkpoint`` reshards it.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from torch.optim import Optimizer
 
 from frugal_kernels import ops
 from frugal_kernels._layout import first_overlap
-from frugal_kernels.optim import plan
+from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.memory import storage_bytes
 from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
+from frugal_kernels.optim.sharding import ShardLayout
 
 __all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "check_adamw_options", "check_int",
            "check_number"]
@@ -76,6 +82,8 @@ class FusedOptimizer(Optimizer):
         # A step in backward: each tensor's own bucket, and where each tensor is.
         self._tensor_buckets: Dict[Tensor, Bucket] = {}
         self._tensor_index: Dict[Tensor, Tuple[int, int]] = {}
+        # The DTensor parameters' layouts (FSDP2): where each rank's rows lie.
+        self._layouts: Dict[Tensor, ShardLayout] = {}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------- subclass hooks
@@ -139,8 +147,17 @@ class FusedOptimizer(Optimizer):
         _check_new_params(params, gi, [(gj, i, p) for gj, g in enumerate(self.param_groups)
                                        for i, p in enumerate(g["params"])],
                           self._placeholder_types)
+        layouts = {p: layout for i, p in enumerate(params)
+                   if (layout := sharding.layout_of(p, _param_name(gi, i, p))) is not None}
         self._check_group({**self.defaults, **param_group}, f"param group {gi}", True)
         super().add_param_group({**param_group, "params": params})
+        self._layouts.update(layouts)
+        # Every parameter has a state entry from the start (empty until its first
+        # state-full step): torch.distributed.checkpoint's get/set_optimizer_state_dict
+        # take a step with zero gradients on an optimizer whose state is empty, and that
+        # step would choose a first subspace (an svd of zeros) and count a step.
+        for p in params:
+            self.state[p]
         self._plan = None
 
     @torch.no_grad()
@@ -192,10 +209,18 @@ class FusedOptimizer(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is None and self.nonfinite != "propagate" and with_grads:
             bad = _first_nonfinite(with_grads)
-            if bad is not None:
+            elsewhere = False
+            if self._layouts:
+                # Under FSDP2 each rank sees its own rows of the gradients: the ranks
+                # decide together (one all-reduce), or one would skip a step the others
+                # take and their schedules would part.
+                elsewhere = sharding.any_rank(bad is not None, self._shard_groups(),
+                                              with_grads[0][2].device) and bad is None
+            if bad is not None or elsewhere:
                 if self.nonfinite == "skip":
                     return None
-                raise ValueError(f"{_param_name(*bad)} has a non-finite gradient (NaN or inf); "
+                where = "a parameter's rows on another rank" if elsewhere else _param_name(*bad)
+                raise ValueError(f"{where} has a non-finite gradient (NaN or inf); "
                                  "the step was not applied (nonfinite='raise')")
         self._prepare_plan(key)
         self._fill_lrs()
@@ -212,7 +237,19 @@ class FusedOptimizer(Optimizer):
             rng_step = self._rng_step()
             for bucket in self._plan:
                 bucket.rng_step = rng_step
-        return self._plan, [[p.grad for p in b.params] for b in self._plan], grad_scale
+        if self._layouts:
+            grads = [[sharding.local(p.grad) for p in b.params] for b in self._plan]
+        else:
+            grads = [[p.grad for p in b.params] for b in self._plan]
+        return self._plan, grads, grad_scale
+
+    def _shard_groups(self) -> List[Any]:
+        """The process groups the DTensor parameters are sharded over, once each."""
+        groups = []
+        for layout in self._layouts.values():
+            if layout.group is not None and all(layout.group is not g for g in groups):
+                groups.append(layout.group)
+        return groups
 
     def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]]]:
         """Every per-step check, before anything changes: the groups' options (lr
@@ -235,6 +272,8 @@ class FusedOptimizer(Optimizer):
                 if g.layout is not strided or g.dtype is not p.dtype or (
                         not p.is_contiguous() and not isinstance(p, self._placeholder_types)):
                     _refuse_gradient(gi, i, p)
+                if p in self._layouts:
+                    _check_sharded_gradient(gi, i, p)
                 with_grads.append((gi, i, p))
         return tuple(key), with_grads
 
@@ -250,7 +289,7 @@ class FusedOptimizer(Optimizer):
             self._before_plan()
             if self._plan is None or key != self._plan_key:
                 self._plan = plan.build(self.param_groups, self.state, self._assign,
-                                        self._group_lr)
+                                        self._group_lr, self._layouts)
                 self._plan_key = key
         except BaseException:
             self._restore_bookkeeping(saved)
@@ -361,25 +400,62 @@ class FusedOptimizer(Optimizer):
 
     # ------------------------------------------------------------- checkpoints
 
+    def state_dict(self) -> dict:
+        """torch's layout. With DTensor parameters (FSDP2) each parameter's state is in
+        its global form (:mod:`frugal_kernels.optim.sharding`): the state one process
+        would hold, as DTensors sharded on dim 0 and plain tensors held whole, which
+        ``torch.distributed.checkpoint`` saves and reshards. Then this is a
+        collective: every rank must call it (``get_optimizer_state_dict`` does)."""
+        sd = super().state_dict()
+        if self._layouts:
+            ids = {id(p): pid for g, saved in zip(self.param_groups, sd["param_groups"])
+                   for p, pid in zip(g["params"], saved["params"])}
+            for group in self.param_groups:
+                family = self._family(group)
+                for p in group["params"]:
+                    layout, pid = self._layouts.get(p), ids[id(p)]
+                    if layout is not None and pid in sd["state"]:
+                        sd["state"][pid] = family.global_state(sd["state"][pid], p, layout)
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Resume exactly from :meth:`state_dict`, or raise a ValueError that says
-        why the checkpoint does not fit these parameters (nothing is changed then)."""
+        why the checkpoint does not fit these parameters (nothing is changed then).
+
+        With DTensor parameters the state is taken in its global form, as DTensors
+        (of any split: ``torch.distributed.checkpoint`` hands them split as the
+        parameters are) or as plain tensors holding the whole (a state dict of one
+        process, or a full state dict); then this is a collective."""
         self._check_state_dict(state_dict)
         saved_state, saved_groups = state_dict["state"], state_dict["param_groups"]
         params = [p for g in self.param_groups for p in g["params"]]
+        families = [self._family(g) for g in self.param_groups for _ in g["params"]]
         ids = [pid for g in saved_groups for pid in g["params"]]
+        # Converted before anything changes (the checks above passed): a state of
+        # the global form becomes this rank's.
+        loaded = {}
+        for pid, p, family in zip(ids, params, families):
+            saved = {k: v for k, v in saved_state.get(pid, {}).items()}
+            layout = self._layouts.get(p)
+            if layout is not None:
+                loaded[p] = family.local_state(saved, p, layout, p.device)
+            else:
+                # Copies, so that the optimizer never shares state with the dict it loaded.
+                loaded[p] = {k: (v.to(p.device, copy=True) if k != "step" else v.clone())
+                             if isinstance(v, Tensor) else v for k, v in saved.items()}
         # torch's loader casts every floating state tensor to the param's dtype
         # (and would turn int indices into floats): load groups through it, and
         # the per-param state here, keeping dtypes.
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
-        self.state = defaultdict(dict)
-        for pid, p in zip(ids, params):
-            # Copies, so that the optimizer never shares state with the dict it loaded.
-            self.state[p] = {k: (v.to(p.device, copy=True) if k != "step" else v.clone())
-                             if isinstance(v, Tensor) else v
-                             for k, v in saved_state.get(pid, {}).items()}
+        super().load_state_dict({"state": {},
+                                 "param_groups": [self._saved_group(g) for g in saved_groups]})
+        self.state = defaultdict(dict, loaded)
         self._load_optimizer_state(state_dict)
         self._plan = None
+
+    def _saved_group(self, saved: dict) -> dict:
+        """A saved param group as torch's loader should see it (a subclass drops the
+        entries it keeps in a group besides the options)."""
+        return saved
 
     def _load_optimizer_state(self, state_dict: dict) -> None:
         """Load what a subclass adds to the state dict (checked already)."""
@@ -402,6 +478,22 @@ class FusedOptimizer(Optimizer):
 
     def _check_saved_group(self, gi: int, saved: dict, group: dict) -> None:
         """Raise a ValueError if the saved group ``gi`` cannot resume ``group``."""
+
+
+def _check_sharded_gradient(gi: int, i: int, p: Tensor) -> None:
+    """Raise unless a DTensor parameter's gradient is split as the parameter is, with a
+    contiguous block (FSDP2's are)."""
+    g = p.grad
+    if not sharding.is_sharded(g) or tuple(g.placements) != tuple(p.placements) or \
+            g.device_mesh != p.device_mesh:
+        got = (f"placements {tuple(g.placements)}" if sharding.is_sharded(g)
+               else "a plain tensor")
+        raise ValueError(f"{_param_name(gi, i, p)} is a DTensor with placements "
+                         f"{tuple(p.placements)} but its gradient is {got}; the fused ops "
+                         "step each rank's block with the same block of the gradient")
+    if not g.to_local().is_contiguous():
+        raise ValueError(f"{_param_name(gi, i, p)}: the local block of its gradient is not "
+                         "contiguous")
 
 
 def _check_saved_state(saved: dict, p: Tensor, pid: Any, family: Projection) -> None:
@@ -472,8 +564,11 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
             raise ValueError(f"{name} is not contiguous: the fused ops update parameters in "
                              f"place and need them contiguous; {_CONTIGUOUS_ADVICE}")
         seen[id(p)] = name
-    clash = first_overlap([(p, True, _param_name(gj, i, p)) for gj, i, p in existing]
-                          + [(p, True, _param_name(gi, i, p)) for i, p in enumerate(params)])
+    # A DTensor's memory is its local block's.
+    clash = first_overlap([(sharding.local(p), True, _param_name(gj, i, p))
+                           for gj, i, p in existing]
+                          + [(sharding.local(p), True, _param_name(gi, i, p))
+                             for i, p in enumerate(params)])
     if clash is not None:
         raise ValueError(f"{clash[0]} shares memory with {clash[1]} (views of one tensor): "
                          "each would be updated with the other's gradient; pass separate "
@@ -496,10 +591,11 @@ def _first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
             groups[item[2].device].append(item)
     for device, items in groups.items():
         found = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            [p.grad for _, _, p in items], found, torch.ones(1, device=device))
+        grads = [sharding.local(p.grad) for _, _, p in items]  # a DTensor's: this rank's rows
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found,
+                                                         torch.ones(1, device=device))
         if bool(found):
-            return next(item for item in items if not bool(item[2].grad.isfinite().all()))
+            return next(item for item, g in zip(items, grads) if not bool(g.isfinite().all()))
     return None
 
 

@@ -10,6 +10,7 @@ rules, so the subspace schedule, checkpoints and checks are FRUGAL's.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -54,8 +55,7 @@ class QuantFamily(Projection):
     @staticmethod
     def _quantized(sub: Subspace) -> Subspace:
         params = [p for p in sub.group["params"] if isinstance(p, QuantWeight)]
-        return Subspace({**sub.group, "params": params}, sub.state, sub.generator, sub.density,
-                        sub.record)
+        return dataclasses.replace(sub, group={**sub.group, "params": params})
 
     def choose(self, sub: Subspace) -> None:
         self.inner.choose(self._quantized(sub))

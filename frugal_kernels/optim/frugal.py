@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -12,11 +12,16 @@ from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check
 from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
 from frugal_kernels.optim.projections import DENSE, FAMILIES, Projection, Subspace
+from frugal_kernels.optim.sharding import local
 from frugal_kernels.optim.subspace import BLOCK_ORDERS, PROJECTIONS
 
 __all__ = ["FRUGAL"]
 
-_FORMAT = 2  # of the "frugal" entry of the state dict; 1 kept the blocks' memory in two maps
+# Format of the "frugal" entry of the state dict. 3: in the first param group, its
+# lists and maps written as lists of lists (see _encode_extra); 2: a top-level entry
+# (which torch.distributed.checkpoint's get_optimizer_state_dict drops: it keeps
+# "state" and "param_groups" only); 1: 2 with the blocks' memory in two maps.
+_FORMAT = 3
 
 
 class FRUGAL(FusedOptimizer):
@@ -192,7 +197,7 @@ class FRUGAL(FusedOptimizer):
     def _subspace(self, gi: int, group: dict) -> Subspace:
         record = self._subspaces.setdefault(gi, {}) if group["projected"] else {}
         return Subspace(group, self.state, self._generator, self._group_density(group), record,
-                        arriving=self._grads_arriving)
+                        self._layouts, arriving=self._grads_arriving)
 
     def _before_plan(self) -> None:
         self._steps_taken += 1
@@ -247,15 +252,22 @@ class FRUGAL(FusedOptimizer):
             st = self.state[p]
             kind = assignment.subset_kind if assignment.rule == "subset" else None
             for key in ("exp_avg", "exp_avg_sq"):
-                st[key].copy_(_gather(old[key], st.get("indices"), kind))
+                # A DTensor's moments (FSDP2): the local block holds this rank's rows,
+                # which the local ids index.
+                st[key].copy_(_gather(local(old[key]), st.get("indices"), kind))
             st["step"] = torch.tensor(old["step"], dtype=torch.float32)
         return assignment
 
     # ------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
+        """torch's layout (see :meth:`FusedOptimizer.state_dict`); the schedules, the
+        subspaces' records, the generator and the history are the ``"frugal"`` entry of
+        the first param group, where ``torch.distributed.checkpoint``'s
+        get/set_optimizer_state_dict carry them. Everything loads with
+        ``torch.load(weights_only=True)``."""
         sd = super().state_dict()
-        sd["frugal"] = {
+        sd["param_groups"][0]["frugal"] = _encode_extra({
             "version": _FORMAT,
             "steps_taken": self._steps_taken,
             "last_change": self._last_change,
@@ -264,7 +276,7 @@ class FRUGAL(FusedOptimizer):
             "subspaces": {gi: _copy_record(r) for gi, r in self._subspaces.items()},
             "history": [dict(h) for h in self.history],
             **self._schedule_state(),
-        }
+        })
         return sd
 
     def _schedule_state(self) -> dict:
@@ -278,11 +290,12 @@ class FRUGAL(FusedOptimizer):
     _schedule_keys: Tuple[str, ...] = ()
 
     def _check_state_dict(self, state_dict: dict) -> None:
-        if "frugal" not in state_dict:
-            raise ValueError("this state dict was not saved by a FRUGAL optimizer (no 'frugal' "
-                             "entry); it cannot resume the subspaces and schedules")
+        extra = _saved_extra(state_dict)
         super()._check_state_dict(state_dict)
-        self._check_extra(state_dict["frugal"])
+        self._check_extra(extra)
+
+    def _saved_group(self, saved: dict) -> dict:
+        return {k: v for k, v in saved.items() if k != "frugal"}
 
     def _check_extra(self, extra: dict) -> None:
         """Raise a ValueError unless the "frugal" entry can resume these groups."""
@@ -338,7 +351,7 @@ class FRUGAL(FusedOptimizer):
                                  f"{saved.get(key)!r} in the state dict")
 
     def _load_optimizer_state(self, state_dict: dict) -> None:
-        extra = state_dict["frugal"]
+        extra = _saved_extra(state_dict)
         self._steps_taken = int(extra["steps_taken"])
         self._last_change = None if extra["last_change"] is None else int(extra["last_change"])
         self._update_gap = int(extra["update_gap"])
@@ -397,6 +410,57 @@ def _gather(moment: Tensor, indices: Optional[Tensor], subset_kind: Optional[str
 
 def _copy_record(record: dict) -> dict:
     return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in record.items()}
+
+
+def _pairs(record: dict) -> list:
+    return [[key, value] for key, value in record.items()]
+
+
+def _encode_extra(extra: dict) -> dict:
+    """The "frugal" entry as torch.distributed.checkpoint keeps it whole: DCP flattens
+    nested dicts and lists of dicts into one entry per leaf and loads only the leaves
+    its template has (a fresh optimizer's, with a shorter history and other
+    subspaces), while a list of lists of numbers and strings is one leaf. So the
+    history (dicts) and the subspaces (a map of group index to record) are written as
+    lists of [key, value] pairs."""
+    return {**extra,
+            "subspaces": [[gi, _pairs(record)]
+                          for gi, record in sorted(extra["subspaces"].items())],
+            "history": [_pairs(h) for h in extra["history"]]}
+
+
+def _unpairs(pairs: Any, what: str) -> dict:
+    if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str)
+            for p in pairs):
+        raise ValueError(f"the state dict's 'frugal' entry: {what} is not a list of "
+                         "[key, value] pairs")
+    return {key: value for key, value in pairs}
+
+
+def _saved_extra(state_dict: dict) -> dict:
+    """The "frugal" entry of a saved state dict, of any format, as format 2 holds it."""
+    groups = state_dict.get("param_groups") or [{}]
+    extra = groups[0].get("frugal") if isinstance(groups[0], dict) else None
+    if extra is None:
+        extra = state_dict.get("frugal")  # formats 1 and 2
+        if extra is None:
+            raise ValueError("this state dict was not saved by a FRUGAL optimizer (no 'frugal' "
+                             "entry); it cannot resume the subspaces and schedules")
+        return extra
+    if not isinstance(extra, dict):
+        raise ValueError(f"the state dict's 'frugal' entry is a {type(extra).__name__}")
+    subspaces, history = extra.get("subspaces"), extra.get("history")
+    if not isinstance(subspaces, (list, tuple)) or not all(
+            isinstance(s, (list, tuple)) and len(s) == 2 for s in subspaces):
+        raise ValueError("the state dict's 'frugal' entry: subspaces is not a list of "
+                         "[group index, record] pairs")
+    if not isinstance(history, (list, tuple)):
+        raise ValueError("the state dict's history must be a list")
+    return {**extra,
+            "subspaces": {gi: _unpairs(record, f"the subspace of group {gi}")
+                          for gi, record in subspaces},
+            "history": [_unpairs(h, "a history entry") for h in history]}
 
 
 def _saved_subspaces(extra: dict) -> dict:

@@ -40,9 +40,12 @@ _LIBC = _load_libc()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``: views and aliases count once."""
+    """Bytes of the distinct storages behind ``tensors``: views and aliases count once; a
+    DTensor counts its local block's storage (this rank's bytes)."""
+    from frugal_kernels.optim.sharding import local
+
     storages = {}
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         storages[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())

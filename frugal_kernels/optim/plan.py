@@ -32,7 +32,8 @@ from torch import Tensor
 
 from frugal_kernels import ops
 from frugal_kernels.ops import unchecked
-from frugal_kernels._layout import inverse_grad_scale, lowrank_side, project
+from frugal_kernels._layout import LEFT, inverse_grad_scale, lowrank_side, project
+from frugal_kernels.optim.sharding import ShardLayout, local
 
 __all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
            "run", "signature", "single", "pack_step_counters"]
@@ -70,12 +71,18 @@ STATE_FREE = Assignment("state_free")
 
 @dataclass
 class Bucket:
-    """Tensors one op call updates together."""
+    """Tensors one op call updates together.
+
+    ``params`` are the optimizer's parameters (the keys of its state); a DTensor
+    among them (FSDP2) is updated through its local block, and ``layouts`` (None for
+    a plain tensor) says where that block lies (:mod:`frugal_kernels.optim.sharding`).
+    """
 
     assignment: Assignment
     group: dict
     lr: Tensor                     # the group's lr as a 0-dim tensor
     params: List[Tensor] = field(default_factory=list)
+    layouts: List[Optional[ShardLayout]] = field(default_factory=list)
     # What the bucket's last checked call saw of its params (see signature); None
     # until a call has been checked.
     checked: Optional[list] = None
@@ -107,11 +114,14 @@ def ensure_moments(st: dict, shape, device: torch.device) -> None:
 
 def build(param_groups: Sequence[dict], state,
           assign: Callable[[int, dict, int, Tensor], Assignment],
-          group_lr: Callable[[int, dict], Tensor]) -> List[Bucket]:
+          group_lr: Callable[[int, dict], Tensor],
+          layouts: Optional[Dict[Tensor, ShardLayout]] = None) -> List[Bucket]:
     """Bucket every tensor with a gradient by ``assign(group_index, group, index, p)``.
 
     ``assign`` also gives the tensor the state its rule needs; a bucket holds
-    tensors of one group, dtype, device and bias-correction step."""
+    tensors of one group, dtype, device and bias-correction step. ``layouts`` maps
+    the DTensor parameters to their :class:`ShardLayout`."""
+    layouts = layouts or {}
     buckets: Dict[tuple, Bucket] = {}
     for gi, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
@@ -125,6 +135,7 @@ def build(param_groups: Sequence[dict], state,
             if bucket is None:
                 bucket = buckets[key] = Bucket(assignment, group, group_lr(gi, group))
             bucket.params.append(p)
+            bucket.layouts.append(layouts.get(p))
     return list(buckets.values())
 
 
@@ -133,7 +144,9 @@ def single(gi: int, group: dict, i: int, p: Tensor, state,
            group_lr: Callable[[int, dict], Tensor]) -> Bucket:
     """The bucket of ``p`` alone (``group["params"][i]``), as :func:`build` would make it:
     the plan of a tensor stepped on its own, when backward completes its gradient."""
-    return Bucket(assign(gi, group, i, p), group, group_lr(gi, group), [p])
+    # A step in backward refuses DTensor parameters (frugal_kernels.step_in_backward):
+    # the tensor has no layout.
+    return Bucket(assign(gi, group, i, p), group, group_lr(gi, group), [p], layouts=[None])
 
 
 def pack_step_counters(plan: Sequence[Bucket], state) -> Optional[Tensor]:
@@ -152,20 +165,24 @@ def pack_step_counters(plan: Sequence[Bucket], state) -> Optional[Tensor]:
 
 def run(bucket: Bucket, grads: List[Tensor], state, backend: str,
         grad_scale: Optional[Tensor] = None) -> None:
-    """One fused op call: ``bucket``'s tensors take their rule with ``grads``, which a
-    GradScaler's ``grad_scale`` (when given) is divided out of inside the op."""
+    """One fused op call: ``bucket``'s tensors take their rule with ``grads`` (the local
+    blocks of DTensor gradients), which a GradScaler's ``grad_scale`` (when given) is
+    divided out of inside the op."""
     runner = RUNNERS[bucket.assignment.rule]
     amp = {} if grad_scale is None else {"grad_scale": grad_scale}
+    # The local blocks are taken at every step: FSDP2 may give a parameter a new
+    # block (its lazy init does), and a block taken once would then be stale.
+    params = [local(p) for p in bucket.params] if any(bucket.layouts) else bucket.params
     if torch.compiler.is_compiling():
-        runner(bucket, grads, state, backend, ops, amp)
+        runner(bucket, params, grads, state, backend, ops, amp)
         return
-    sig = signature(bucket.params)
+    sig = signature(params)
     if bucket.checked is not None and bucket.checked == sig:
-        runner(bucket, grads, state, backend, unchecked, amp)
+        runner(bucket, params, grads, state, backend, unchecked, amp)
         return
     bucket.checked = None
     bucket.cache.clear()  # made for the tensors the bucket held before
-    runner(bucket, grads, state, backend, ops, amp)
+    runner(bucket, params, grads, state, backend, ops, amp)
     bucket.checked = sig
 
 
@@ -175,17 +192,17 @@ def _moments(bucket: Bucket, state):
             states[0]["step"])
 
 
-def _adamw(bucket: Bucket, grads, state, backend, calls, amp) -> None:
+def _adamw(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     _, m, v, step = _moments(bucket, state)
-    calls.adamw_(bucket.params, grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
+    calls.adamw_(params, grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
                eps=group["eps"], weight_decay=group["weight_decay"], step=step, backend=backend,
                **amp)
 
 
-def _state_free(bucket: Bucket, grads, state, backend, calls, amp) -> None:
-    group, params = bucket.group, bucket.params
+def _state_free(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+    group = bucket.group
     rule = group["state_free"]
     wd, scale = group["weight_decay"], group["state_free_lr_scale"]
     if rule == "sign":
@@ -199,11 +216,11 @@ def _state_free(bucket: Bucket, grads, state, backend, calls, amp) -> None:
                      state_free_scale=scale, backend=backend, check_indices=False, **amp)
 
 
-def _subset(bucket: Bucket, grads, state, backend, calls, amp) -> None:
+def _subset(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     states, m, v, step = _moments(bucket, state)
-    calls.frugal_step_(bucket.params, grads, m, v, [st["indices"] for st in states],
+    calls.frugal_step_(params, grads, m, v, [st["indices"] for st in states],
                      kind=bucket.assignment.subset_kind, lr=bucket.lr, beta1=beta1, beta2=beta2,
                      eps=group["eps"], weight_decay=group["weight_decay"], step=step,
                      state_free=group["state_free"],
@@ -211,21 +228,36 @@ def _subset(bucket: Bucket, grads, state, backend, calls, amp) -> None:
                      check_indices=False, **amp)
 
 
-def _lowrank(bucket: Bucket, grads, state, backend, calls, amp) -> None:
-    group, params = bucket.group, bucket.params
+def _lowrank(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+    group = bucket.group
     beta1, beta2 = group["betas"]
     states, m, v, step = _moments(bucket, state)
     projections = [st["projection"] for st in states]
-    sides = [lowrank_side(p.shape) for p in params]
+    # The side is the global tensor's: a local block of a DTensor may be shaped otherwise.
+    sides = [lowrank_side(p.shape) for p in bucket.params]
     low_grads = [project(g, proj, side) for g, proj, side in zip(grads, projections, sides)]
+    # Under FSDP2 a left-side projection P^T g sums over the rows, which the ranks
+    # share out: each rank holds its rows' part, and an all-reduce adds them up. The
+    # right side (g P^T) is row by row: each rank's rows of it are its own.
+    left = [layout if layout is not None and side == LEFT else None
+            for layout, side in zip(bucket.layouts, sides)]
+    for low, layout in zip(low_grads, left):
+        if layout is not None:
+            layout.all_reduce(low)
     if amp:
         # The projections of the unscaled gradient, as lowrank_step_ takes them: the
         # low-rank tensors are small, so they are unscaled here rather than in the op.
         torch._foreach_mul_(low_grads, inverse_grad_scale(amp["grad_scale"]))
+    # A left-side tensor's moments [r, n] are shared out by their rows too: each rank
+    # steps its chunk, and the chunks of the update are gathered for the back-projection.
+    adam_grads = [low if layout is None else low.narrow(0, *layout.chunk(low.shape[0]))
+                  for low, layout in zip(low_grads, left)]
     # AdamW on a zero "parameter" without decay leaves exactly the update in it.
-    low_updates = [torch.zeros_like(lg) for lg in low_grads]
-    calls.adamw_(low_updates, low_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
+    low_updates = [torch.zeros_like(lg) for lg in adam_grads]
+    calls.adamw_(low_updates, adam_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
                eps=group["eps"], weight_decay=0.0, step=step, backend=backend)
+    low_updates = [up if layout is None else layout.all_gather_chunks(up, low.shape[0])
+                   for up, low, layout in zip(low_updates, low_grads, left)]
     # At full rank the residual is zero but for rounding, which a sign would
     # blow up to +-lr: there is no state-free part.
     rule = "none" if bucket.assignment.full_rank else group["state_free"]
@@ -248,7 +280,8 @@ def _empty_subsets(bucket: Bucket):
 def _dqt_call(bucket: Bucket, grads, m, v, indices, kind: str, step, beta1: float, beta2: float,
               eps: float, calls, backend, amp) -> None:
     """One dqt_update_ over the bucket's quantized weights (their codes and scales are
-    their modules', read at each call: a module moved by ``.to()`` has new ones)."""
+    their modules', read at each call: a module moved by ``.to()`` has new ones; the
+    runners' ``params`` are the placeholders, which the op does not touch)."""
     group, params = bucket.group, bucket.params
     calls.dqt_update_([p.codes for p in params], [p.scale for p in params], grads, m, v, indices,
                       bits=bucket.assignment.bits, kind=kind, seeds=[p.seed for p in params],
@@ -259,7 +292,7 @@ def _dqt_call(bucket: Bucket, grads, m, v, indices, kind: str, step, beta1: floa
                       check_indices=False, **amp)
 
 
-def _dqt_adamw(bucket: Bucket, grads, state, backend, calls, amp) -> None:
+def _dqt_adamw(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
     beta1, beta2 = bucket.group["betas"]
     _, m, v, step = _moments(bucket, state)
     if "rows" not in bucket.cache:
@@ -270,12 +303,13 @@ def _dqt_adamw(bucket: Bucket, grads, state, backend, calls, amp) -> None:
               bucket.group["eps"], calls, backend, amp)
 
 
-def _dqt_state_free(bucket: Bucket, grads, state, backend, calls, amp) -> None:
+def _dqt_state_free(bucket: Bucket, params, grads, state, backend, calls,
+                    amp) -> None:
     empty, zeros, one = _empty_subsets(bucket)
     _dqt_call(bucket, grads, zeros, zeros, empty, "flat", one, 0.0, 0.0, 0.0, calls, backend, amp)
 
 
-def _dqt_subset(bucket: Bucket, grads, state, backend, calls, amp) -> None:
+def _dqt_subset(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
     beta1, beta2 = bucket.group["betas"]
     states, m, v, step = _moments(bucket, state)
     _dqt_call(bucket, grads, m, v, [st["indices"] for st in states],
@@ -283,10 +317,12 @@ def _dqt_subset(bucket: Bucket, grads, state, backend, calls, amp) -> None:
               backend, amp)
 
 
-# A runner takes the bucket, its gradients, the optimizer's state, the backend, the
-# module whose op faces it calls (``ops``, or ``ops.unchecked`` once checked) and the
-# GradScaler keywords of its op calls (``grad_scale``, or none).
-RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], dict, str, Any, dict], None]] = {
+# A runner takes the bucket, the tensors its ops update (the params, or their local
+# blocks), their gradients, the optimizer's state, the backend, the module whose op
+# faces it calls (``ops``, or ``ops.unchecked`` once checked) and the GradScaler
+# keywords of its op calls (``grad_scale``, or none).
+RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], dict, str, Any, dict],
+                            None]] = {
     "adamw": _adamw,
     "state_free": _state_free,
     "subset": _subset,

@@ -12,21 +12,28 @@ state-full) serves the groups that are not projected.
 Families hold no state of their own: what one remembers about a group
 between subspace changes (the active blocks, the cursor of their order) lives
 in :attr:`Subspace.record`, which the optimizer saves in its state dict.
+
+On DTensor parameters (FSDP2, :mod:`frugal_kernels.optim.sharding`) a family
+chooses the subspace of the global tensor, the same draw on every rank, and
+keeps the state of this rank's rows only; :meth:`Projection.global_state` and
+:meth:`Projection.local_state` turn that state into the one a single process
+would hold (for state dicts and checkpoints) and back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, MutableMapping, Optional
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, MutableMapping, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from frugal_kernels._layout import (lowrank_dim, lowrank_side, lowrank_state_shape,
+from frugal_kernels._layout import (LEFT, lowrank_dim, lowrank_side, lowrank_state_shape,
                                     projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
 from frugal_kernels.optim import subspace
 from frugal_kernels.optim.plan import ADAMW, STATE_FREE, Assignment, ensure_moments
+from frugal_kernels.optim.sharding import ShardLayout, is_sharded, local
 
 __all__ = ["DENSE", "FAMILIES", "Blocks", "CoordinateSubset", "Dense", "LowRank", "Projection",
            "Subspace"]
@@ -39,8 +46,9 @@ class Subspace:
     ``group`` is the param group (``params``, ``reset_state``,
     ``block_order``...), ``state`` the optimizer's per-tensor state,
     ``density`` the fraction to keep state-full now, ``generator`` the source
-    of every random choice and ``record`` the family's own memory of the group
-    (numbers and lists of numbers, so that it is saved with the state).
+    of every random choice, ``record`` the family's own memory of the group
+    (numbers and lists of numbers, so that it is saved with the state) and
+    ``layouts`` the layouts of the DTensor parameters among the group's.
 
     ``arriving``: the step's gradients are not there yet when the subspace is
     chosen, and each arrives as backward completes its tensor
@@ -54,6 +62,7 @@ class Subspace:
     generator: torch.Generator
     density: float
     record: dict
+    layouts: Mapping[Tensor, ShardLayout] = field(default_factory=dict)
     arriving: bool = False
 
 
@@ -80,12 +89,34 @@ class Projection:
         cannot serve ``p``, or None when they can."""
         return None
 
+    # Saved states (fits, check_saved) are in the global form, checked against the
+    # global tensor (a DTensor's shape is the global one).
+
+    def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:
+        """The state a single process would hold for the DTensor ``p``, from this
+        rank's ``st``: DTensors for the entries that :func:`sharding.sharded_entry`
+        names, plain tensors (the same on every rank) for the others. A collective."""
+        return {key: layout.to_dtensor(value, self._global_shape(key, value, st, p))
+                if key in ("exp_avg", "exp_avg_sq") else value for key, value in st.items()}
+
+    def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
+                    device: torch.device) -> dict:
+        """This rank's state from a global-form ``saved`` (checked already): copies,
+        never the saved tensors. A collective."""
+        return {key: layout.block_of(value, device) if key in ("exp_avg", "exp_avg_sq")
+                else value.to(device if key != "step" else value.device, copy=True)
+                for key, value in saved.items()}
+
+    def _global_shape(self, key: str, value: Tensor, st: dict, p: Tensor) -> Tuple[int, ...]:
+        """The global shape of a sharded entry whose rows are this rank's chunk."""
+        return tuple(p.shape)
+
 
 class Dense(Projection):
     """Every coordinate state-full: plain AdamW with moments of the tensor's shape."""
 
     def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
-        ensure_moments(sub.state[p], p.shape, p.device)
+        ensure_moments(sub.state[p], local(p).shape, p.device)
         return ADAMW
 
     def fits(self, saved: dict, p: Tensor) -> bool:
@@ -126,25 +157,88 @@ class CoordinateSubset(Projection):
     def _subset_kind(self, p: Tensor) -> str:
         return "flat" if p.dim() == 0 else self.subset_kind
 
+    def _per_row(self, p: Tensor, layout: ShardLayout) -> Optional[int]:
+        """For a DTensor sharded on dim 0: how many of the subset's ids fall in each
+        row when the subset picks along the sharded rows (rows; flat coordinates,
+        which run row after row; the columns of a 1-D tensor, its only dim), or
+        None when it picks along an unsharded dim (the columns of a matrix: every
+        rank takes the same ids, for its rows)."""
+        kind = self._subset_kind(p)
+        if kind == "columns" and p.dim() >= 2:
+            return None
+        return layout.row_numel if kind == "flat" else 1
+
     def choose(self, sub: Subspace) -> None:
         for p in sub.group["params"]:
             subset_kind = self._subset_kind(p)
-            dim = subset_dim(p, subset_kind)
+            dim = subset_dim(p, subset_kind)  # of the global tensor
             indices = subspace.choose_subset(dim, subspace.subset_size(sub.density, dim),
                                              sub.generator, p.device)
+            layout = sub.layouts.get(p)
+            per_row = None if layout is None else self._per_row(p, layout)
+            if per_row is not None:
+                # This rank's ids of the global subset, as ids of its rows.
+                lo, hi = layout.own_range(indices, per_row)
+                indices = indices[lo:hi] - layout.offset * per_row
             st = sub.state[p]
             if sub.group["reset_state"] or "exp_avg" not in st:
                 st.clear()
             else:
-                _carry_moments(st, indices, subset_state_shape(p, subset_kind, indices.numel()),
+                _carry_moments(st, indices,
+                               subset_state_shape(local(p), subset_kind, indices.numel()),
                                dim=-1 if subset_kind == "columns" else 0)
             st["indices"] = indices
 
     def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
         st = sub.state[p]
         subset_kind = self._subset_kind(p)
-        ensure_moments(st, subset_state_shape(p, subset_kind, st["indices"].numel()), p.device)
+        ensure_moments(st, subset_state_shape(local(p), subset_kind, st["indices"].numel()),
+                       p.device)
         return Assignment("subset", subset_kind=subset_kind, index_dtype=st["indices"].dtype)
+
+    def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:
+        per_row = self._per_row(p, layout)
+        if per_row is None or "indices" not in st:
+            # Matrix columns: the ids are global already and the moments are this
+            # rank's rows of [..., k], as the parameter's are.
+            return super().global_state(st, p, layout)
+        out = dict(st)
+        ids = out["indices"] = layout.gather_ids(st["indices"], per_row)
+        if "exp_avg" in st:
+            # This rank's moments are the global subset's positions [lo, hi) (its rows'
+            # ids): moved to DTensor's split of the k positions, they are a DTensor.
+            k = ids.numel()
+            sources = layout.owned_ranges(ids, per_row)
+            targets = [(o, o + n) for o, n in layout.chunks(k)]
+            for key in ("exp_avg", "exp_avg_sq"):
+                block = layout.move_rows(st[key], sources, targets)
+                out[key] = layout.to_dtensor(block, (k, *st[key].shape[1:]))
+        return out
+
+    def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
+                    device: torch.device) -> dict:
+        per_row = self._per_row(p, layout)
+        if per_row is None or "indices" not in saved:
+            return super().local_state(saved, p, layout, device)
+        ids = saved["indices"].to(device)
+        lo, hi = layout.own_range(ids, per_row)
+        out = {key: value.clone() for key, value in saved.items() if key == "step"}
+        out["indices"] = (ids[lo:hi] - layout.offset * per_row).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = saved.get(key)
+            if value is None:
+                continue
+            if is_sharded(value) and value.device_mesh == layout.mesh and \
+                    tuple(value.placements) == layout.placements:
+                sources = [(o, o + n) for o, n in layout.chunks(ids.numel())]
+                out[key] = layout.move_rows(value.to_local().to(device), sources,
+                                            layout.owned_ranges(ids, per_row))
+            else:
+                out[key] = layout.full(value)[lo:hi].to(device, copy=True)
+        return out
+
+    def _global_shape(self, key: str, value: Tensor, st: dict, p: Tensor) -> Tuple[int, ...]:
+        return subset_state_shape(p, self._subset_kind(p), st["indices"].numel())
 
     def fits(self, saved: dict, p: Tensor) -> bool:
         return "indices" in saved and tuple(saved["exp_avg"].shape) == subset_state_shape(
@@ -210,12 +304,26 @@ class LowRank(Projection):
 
     def _project(self, sub: Subspace, p: Tensor, st: dict) -> None:
         rank = subspace.subset_size(sub.density, lowrank_dim(p.shape))
+        layout = sub.layouts.get(p)
         # svd reads the gradient; random only a shape and a device, which the parameter
         # has before its gradient arrives (in backward).
         source = p.grad if self.projection == "svd" else p.detach()
+        if layout is not None and self.projection == "svd":
+            # The top singular vectors are those of the whole gradient: every rank
+            # gathers it (an all-gather, once per subspace change). A random
+            # projection needs only the shape.
+            source = layout.full(source)
         projection = subspace.make_projection(self.projection, source, rank, sub.generator)
+        if layout is not None:
+            if self.projection == "svd":
+                # One subspace for all: a factorization need not give the same bits
+                # on every device, so the first rank's is everyone's.
+                layout.broadcast(projection)
+            if lowrank_side(p.shape) == LEFT:
+                # P [m, r] acts on the rows: each rank keeps its own.
+                projection = projection.narrow(0, layout.offset, layout.rows).contiguous()
         keep = (not sub.group["reset_state"] and "exp_avg" in st
-                and tuple(st["exp_avg"].shape) == lowrank_state_shape(p.shape, rank))
+                and tuple(st["exp_avg"].shape) == _lowrank_moments_shape(p, rank, layout))
         if not keep:
             st.clear()
         st["projection"] = projection
@@ -227,8 +335,28 @@ class LowRank(Projection):
         if "projection" not in st:
             self._project(sub, p, st)
         rank = projection_rank(st["projection"], lowrank_side(p.shape))
-        ensure_moments(st, lowrank_state_shape(p.shape, rank), p.device)
+        ensure_moments(st, _lowrank_moments_shape(p, rank, sub.layouts.get(p)), p.device)
         return Assignment("lowrank", full_rank=rank == lowrank_dim(p.shape))
+
+    def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:
+        out = super().global_state(st, p, layout)
+        if p.dim() >= 2 and lowrank_side(p.shape) == LEFT and "projection" in st:
+            out["projection"] = layout.to_dtensor(st["projection"],
+                                                  (p.shape[0], st["projection"].shape[1]))
+        return out
+
+    def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
+                    device: torch.device) -> dict:
+        out = super().local_state(saved, p, layout, device)
+        if p.dim() >= 2 and lowrank_side(p.shape) == LEFT and "projection" in saved:
+            out["projection"] = layout.block_of(saved["projection"], device)
+        return out
+
+    def _global_shape(self, key: str, value: Tensor, st: dict, p: Tensor) -> Tuple[int, ...]:
+        if p.dim() < 2:
+            return tuple(p.shape)
+        side = lowrank_side(p.shape)
+        return lowrank_state_shape(p.shape, projection_rank(st["projection"], side))
 
     def fits(self, saved: dict, p: Tensor) -> bool:
         if p.dim() < 2:
@@ -257,6 +385,17 @@ class LowRank(Projection):
             return (f"a projection of shape {tuple(projection.shape)} does not fit a parameter "
                     f"of shape {tuple(p.shape)}")
         return None
+
+
+def _lowrank_moments_shape(p: Tensor, rank: int, layout: Optional[ShardLayout]
+                           ) -> Tuple[int, ...]:
+    """The moments' shape on this rank: the global [m, r] (right side) or [r, n]
+    (left side), of which a DTensor's rank holds its chunk of the rows: its own rows
+    of [m, r], or its share of the r rows of [r, n]."""
+    shape = lowrank_state_shape(p.shape, rank)
+    if layout is None:
+        return shape
+    return (layout.chunk(shape[0])[1], shape[1])
 
 
 DENSE = Dense()

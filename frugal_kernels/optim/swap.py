@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from frugal_kernels import ops
+from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 
@@ -193,7 +194,13 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
         state["step"] += 1
         calls[(p.device, float(state["step"]))].append(p)
     for (_, step), params in calls.items():
-        grads = [p.grad for p in params]
+        # DTensor parameters (FSDP2) keep torch's state, DTensors like them, which
+        # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
+        # local blocks of all of them.
+        grads = [local(p.grad) for p in params]
+        exp_avgs = [local(optimizer.state[p]["exp_avg"]) for p in params]
+        exp_avg_sqs = [local(optimizer.state[p]["exp_avg_sq"]) for p in params]
+        params = [local(p) for p in params]
         kwargs = dict(weight_decay=weight_decay, maximize=maximize)
         if not decoupled and weight_decay != 0:
             # torch.optim.Adam: g = (-g if maximize) + weight_decay * p, then no decay.
@@ -201,10 +208,8 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
                 grads = torch._foreach_neg(grads)
             grads = torch._foreach_add(grads, params, alpha=weight_decay)
             kwargs = dict(weight_decay=0.0, maximize=False)
-        ops.adamw_(params, grads, [optimizer.state[p]["exp_avg"] for p in params],
-                   [optimizer.state[p]["exp_avg_sq"] for p in params], lr=group["lr"],
-                   beta1=beta1, beta2=beta2, eps=float(group["eps"]), step=step,
-                   backend=backend, **kwargs)
+        ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1,
+                   beta2=beta2, eps=float(group["eps"]), step=step, backend=backend, **kwargs)
 
 
 # --------------------------------------------------------------------- SGD
@@ -219,7 +224,8 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
     if momentum == 0:
         # torch keeps no state without momentum.
         for device_params in _by_device(params).values():
-            ops.sgd_(device_params, [p.grad for p in device_params], [], **hyper)
+            ops.sgd_([local(p) for p in device_params],
+                     [local(p.grad) for p in device_params], [], **hyper)
         return
     # A param without a buffer starts it from its gradient: its own call.
     calls: Dict[Tuple[torch.device, bool], List[Tensor]] = defaultdict(list)
@@ -230,9 +236,9 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
             state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.contiguous_format)
         calls[(p.device, first)].append(p)
     for (_, first), call_params in calls.items():
-        ops.sgd_(call_params, [p.grad for p in call_params],
-                 [optimizer.state[p]["momentum_buffer"] for p in call_params], first_step=first,
-                 **hyper)
+        ops.sgd_([local(p) for p in call_params], [local(p.grad) for p in call_params],
+                 [local(optimizer.state[p]["momentum_buffer"]) for p in call_params],
+                 first_step=first, **hyper)
 
 
 def _by_device(params: List[Tensor]) -> Dict[torch.device, List[Tensor]]:

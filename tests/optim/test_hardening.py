@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import frugal_kernels as fk
-from frugal_kernels.optim import subspace
+from frugal_kernels.optim import frugal, subspace
 
 from .helpers import HYPER, grad_sequence, groups, make_params, set_grads
 
@@ -43,7 +43,6 @@ def _snapshot(opt, params):
     return {"params": [p.detach().clone() for p in params],
             "state": copy.deepcopy(sd["state"]),
             "param_groups": copy.deepcopy(sd["param_groups"]),
-            "frugal": copy.deepcopy(sd["frugal"]),
             "generator": opt._generator.get_state().clone(),
             "live_state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v
                                for k, v in opt.state[p].items()}
@@ -185,8 +184,12 @@ def _projection(fn):
 
 
 def _extra(fn):
+    """Change the "frugal" entry as format 2 held it (a map of subspaces, a history of
+    dicts), written back in the state dict's format."""
     def mutate(sd):
-        fn(sd["frugal"])
+        extra = frugal._saved_extra(sd)
+        fn(extra)
+        sd["param_groups"][0]["frugal"] = frugal._encode_extra(extra)
     return mutate
 
 
@@ -274,7 +277,7 @@ def test_adafrugal_schedule_state_is_checked():
     source, source_params = _make("AdaFRUGAL", "columns")
     _steps(source, source_params, 3)
     sd = _roundtrip(source.state_dict())
-    sd["frugal"]["rho_scale"] = math.nan
+    sd["param_groups"][0]["frugal"]["rho_scale"] = math.nan
     target, params = _make("AdaFRUGAL", "columns")
     before = _snapshot(target, params)
     with pytest.raises(ValueError, match="rho_scale must be finite"):
@@ -477,9 +480,9 @@ def test_nonfinite_propagate_applies_the_step(kind, projection, value):
     opt, params = _make(kind, projection, nonfinite="propagate")
     _steps(opt, params, 2)
     set_grads(params, _bad_grads(params, value, 4))
-    steps_taken = opt.state_dict()["frugal"]["steps_taken"]
+    steps_taken = opt.state_dict()["param_groups"][0]["frugal"]["steps_taken"]
     opt.step()
-    assert opt.state_dict()["frugal"]["steps_taken"] == steps_taken + 1
+    assert opt.state_dict()["param_groups"][0]["frugal"]["steps_taken"] == steps_taken + 1
     assert not torch.isfinite(params[4]).all()
     assert not torch.isfinite(opt.state[params[4]]["exp_avg"]).all()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import frugal_kernels as fk
-from frugal_kernels.optim import memory, subspace
+from frugal_kernels.optim import frugal, memory, subspace
 from frugal_kernels.optim.projections import FAMILIES, CoordinateSubset
 
 from .helpers import HYPER, grad_sequence, groups, make_params, set_grads
@@ -86,13 +86,16 @@ def test_resume_with_a_tensor_that_had_no_gradient_yet_is_bit_identical(projecti
 
 
 def _as_format_1(sd):
-    """The layout of the "frugal" entry before the families kept their own records."""
-    extra = dict(sd["frugal"])
+    """The layout of the "frugal" entry before the families kept their own records (a
+    top-level entry, as format 2 kept it too)."""
+    extra = dict(frugal._saved_extra(sd))
     records = extra.pop("subspaces")
     extra.update(version=1, chosen_groups=sorted(records),
                  active_blocks={gi: r["active"] for gi, r in records.items() if "active" in r},
                  block_cursor={gi: r["cursor"] for gi, r in records.items() if "cursor" in r})
-    return {**sd, "frugal": extra}
+    groups = [dict(g) for g in sd["param_groups"]]
+    del groups[0]["frugal"]
+    return {**sd, "param_groups": groups, "frugal": extra}
 
 
 @pytest.mark.parametrize("block_order", ["random", "ascending"])
