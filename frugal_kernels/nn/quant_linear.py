@@ -123,7 +123,7 @@ class _QuantLinearFunction(torch.autograd.Function):
                 # 1.64x nn.Linear + fused AdamW's time with it, against 1.31x in fp32).
                 grad_w = torch.empty(rows, x2.shape[1], dtype=ctx.weight_dtype,
                                      device=x2.device)
-                step = max(1, _BLOCK_VALUES // max(x2.shape[1], 1))
+                step = _rows_per_block(rows, x2.shape[1])
                 for r0 in range(0, rows, step):
                     grad_w[r0:r0 + step] = g2[:, r0:r0 + step].t().mm(x2)
         if ctx.has_bias and ctx.needs_input_grad[4]:
@@ -144,11 +144,16 @@ def _workspace(device: torch.device, dtype: torch.dtype, numel: int) -> Tensor:
     return buffer
 
 
+def _rows_per_block(rows: int, cols: int) -> int:
+    """Rows of a block of about _BLOCK_VALUES values (at least one, at most all)."""
+    return max(1, min(rows, _BLOCK_VALUES // max(cols, 1)))
+
+
 def _blocks(codes: Tensor, scale: Tensor, bits: int, cols: int, dtype: torch.dtype):
     """(first row, end row, dequantized rows) over the weight, a cache-sized block at a
     time; each block is valid until the next is drawn."""
     rows = codes.shape[0]
-    step = max(1, min(rows, _BLOCK_VALUES // max(cols, 1)))
+    step = _rows_per_block(rows, cols)
     buffer = _workspace(codes.device, dtype, step * cols)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
