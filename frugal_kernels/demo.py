@@ -124,14 +124,18 @@ def _dqt(bits: int, update: str) -> OptimizerFactory:
 
 def _dqt_rows() -> dict[str, DemoOptimizer]:
     """dqt8 .. dqt2 (ternary), alone and with FRUGAL. Not swept: they take AdamW's lrs."""
-    colors = {8: "tab:cyan", 4: "tab:purple", 3: "tab:brown", 2: "tab:pink"}
+    # Colours of their own (the tab: palette is taken by the other rows and the peers), so
+    # that any selection of rows stays readable in the plot.
+    colors = {8: ("teal", "turquoise"), 4: ("indigo", "black"),
+              3: ("saddlebrown", "sandybrown"), 2: ("crimson", "lightcoral")}
     rows = {}
     for bits in (8, 4, 3, 2):
         width = "ternary" if bits == 2 else f"{bits}-bit"
-        rows[f"dqt{bits}"] = DemoOptimizer(f"DQT {width}", colors[bits], _dqt(bits, "adamw"),
+        alone, with_frugal = colors[bits]
+        rows[f"dqt{bits}"] = DemoOptimizer(f"DQT {width}", alone, _dqt(bits, "adamw"),
                                            tuned_as="adamw")
         rows[f"dqt{bits}-frugal"] = DemoOptimizer(f"DQT {width} + FRUGAL rho=0.25",
-                                                  colors[bits], _dqt(bits, "frugal"),
+                                                  with_frugal, _dqt(bits, "frugal"),
                                                   tuned_as="adamw")
     return rows
 
@@ -141,14 +145,14 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
     "frugal": DemoOptimizer("FRUGAL rho=0.25", "tab:blue", _frugal),
     # The same optimizer, each tensor stepped in backward: the frugal row's loss with one
     # gradient alive at a time; it takes the frugal row's tuning.
-    "frugal+inbwd": DemoOptimizer("FRUGAL rho=0.25, step in backward", "tab:cyan",
+    "frugal+inbwd": DemoOptimizer("FRUGAL rho=0.25, step in backward", "deepskyblue",
                                   _frugal_in_backward, tuned_as="frugal"),
     "adafrugal": DemoOptimizer("AdaFRUGAL rho 0.25->0.05", "tab:orange", _adafrugal),
     "adafrugal+governor": DemoOptimizer("AdaFRUGAL+governor", "tab:red", _adafrugal,
                                         budget_from="adafrugal"),
     "badam": DemoOptimizer(f"BAdam K={BADAM_SWITCH_EVERY}", "tab:green", _badam),
     # Not swept: it takes BAdam's tuned lr.
-    "badam+frugal": DemoOptimizer(f"BAdam+FRUGAL K={BADAM_SWITCH_EVERY} rho=0.25", "tab:olive",
+    "badam+frugal": DemoOptimizer(f"BAdam+FRUGAL K={BADAM_SWITCH_EVERY} rho=0.25", "limegreen",
                                   _badam_frugal, tuned_as="badam"),
     **_dqt_rows(),
 }
@@ -466,7 +470,7 @@ def plot(metrics: dict[str, Any], path: Path) -> Optional[Path]:
         state_ax.plot(steps, [_mb(s["held_bytes"]) for s in run["steps"]], **style)
         state_ax.plot(steps, [_mb(s["state_bytes"]) for s in run["steps"]], linestyle=":",
                       color=run["color"])
-        if "rho" in run["steps"][0]:
+        if _has_subspace(run):
             rho_ax.plot(steps, [s["rho"] for s in run["steps"]], **style)
             gap_ax.plot(steps, [s["update_gap"] for s in run["steps"]], **style)
     _zoom_on_the_end(loss_ax, runs)
@@ -479,13 +483,23 @@ def plot(metrics: dict[str, Any], path: Path) -> Optional[Path]:
     gap_ax.set(title="T: steps between subspace changes", xlabel="step", ylabel="T")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=8)
+    # One legend for the four panels, below them: a dozen rows' legends inside the panels
+    # cover the curves they name. The loss panel has a line for every run.
+    handles, labels = loss_ax.get_legend_handles_labels()
+    columns = min(4, len(labels))
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
     fig.suptitle(_title(metrics))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.025 * -(-len(labels) // columns) + 0.01, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _has_subspace(run: dict[str, Any]) -> bool:
+    """Whether the run's optimizer keeps state on a part of its projected weights only (a rho
+    strictly between 0 and 1 at some step): the runs the rho and T panels are about. DQT
+    with every code state-full (rho 1) or none (rho 0) has no subspace to change."""
+    return any(0.0 < s.get("rho", 0.0) < 1.0 for s in run["steps"])
 
 
 def _zoom_on_the_end(ax, runs) -> None:

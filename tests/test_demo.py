@@ -90,6 +90,28 @@ def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
     assert "of its budget" in text
 
 
+def test_every_row_has_a_colour_of_its_own():
+    """The plot names the runs by colour alone (one legend for the four panels)."""
+    colours = [entry.color for entry in demo.OPTIMIZERS.values()]
+    assert len(set(colours)) == len(colours), colours
+
+
+def test_rho_and_t_panels_show_the_runs_with_a_subspace():
+    def run(*rhos):
+        return {"steps": [{"step": i + 1, "rho": r} for i, r in enumerate(rhos)]}
+    assert demo._has_subspace(run(0.25, 0.25))
+    assert demo._has_subspace(run(1.0, 0.15))  # a density that shrinks below one
+    assert not demo._has_subspace(run(1.0, 1.0))  # DQT with every code state-full
+    assert not demo._has_subspace(run(0.0, 0.0))  # DQT with SignSGD alone
+    assert not demo._has_subspace({"steps": [{"step": 1}]})  # AdamW: no rho at all
+
+
+@pytest.mark.parametrize("update, rho", [("adamw", 1.0), ("sign", 0.0), ("frugal", 0.3)])
+def test_dqt_rho_is_the_state_full_fraction_of_its_codes(update, rho):
+    layer = fk.nn.QuantLinear(8, 8, bits=4)
+    assert fk.DQT(layer.parameters(), update=update, density=0.3).rho == rho
+
+
 def test_demo_command_adds_the_budget_run(tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["demo", "--steps", "4", "--eval-every", "2", "--optimizers",

@@ -182,6 +182,13 @@ class DQT(FRUGAL):
                          backend=backend, nonfinite=nonfinite)
         self.defaults["update"] = update
 
+    @property
+    def rho(self) -> float:
+        """The state-full fraction of the quantized weights under the default ``update``:
+        ``density`` for ``"frugal"``, 1 for ``"adamw"`` (every code has moments), 0 for
+        ``"sign"``."""
+        return {"adamw": 1.0, "sign": 0.0}.get(self._update, super().rho)
+
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
