@@ -54,9 +54,11 @@ def _torch_adamw(model: nn.Module, in_backward: bool) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), fused=fused or None, **_HYPER)
 
 
-# How the parameters are split: the paper's (embeddings, norms and head with full AdamW)
-# or every matrix projected, the embeddings and the head too.
-_GROUPING = {"paper": {}, "all": dict(project_embeddings=True, project_head=True)}
+# How the parameters are split: the paper's (embeddings, norms and head with full AdamW),
+# the embeddings projected too (the FRUGAL paper found the embeddings far less sensitive to
+# the state-free rule than the output head, which keeps AdamW), or every matrix projected.
+_GROUPING = {"paper": {}, "embeddings": dict(project_embeddings=True),
+             "all": dict(project_embeddings=True, project_head=True)}
 
 
 def _frugal(density: float, projection: str = "blocks",
@@ -73,6 +75,9 @@ OPTIMIZERS: Dict[str, tuple] = {
     "torch_adamw": ("torch AdamW", _torch_adamw),
     "frugal_rho0.25": ("FRUGAL rho=0.25 (blocks)", _frugal(0.25)),
     "frugal_rho0": ("FRUGAL rho=0", _frugal(0.0)),
+    "frugal_rho0.25_embeddings_projected": (
+        "FRUGAL rho=0.25 (columns), embeddings projected too",
+        _frugal(0.25, projection="columns", grouping="embeddings")),
     "frugal_rho0.25_all_projected": (
         "FRUGAL rho=0.25 (columns), embeddings and head projected too",
         _frugal(0.25, projection="columns", grouping="all")),

@@ -22,6 +22,12 @@ def test_rows_hold_the_bytes_each_step_keeps_alive():
         assert ordinary["held_with_activations_bytes"] >= ordinary["held_bytes"]
         assert inbwd["memory_peak"] >= inbwd["memory_at_start"] > 0
     assert rows[("torch_adamw", "ordinary")]["held_vs_torch_adamw"] == 1.0
+    # Each tensor moved from full AdamW into the projected group holds less state.
+    state = {name: rows[(name, "in_backward")]["held_parts"]["state"]
+             for name in ("frugal_rho0.25", "frugal_rho0.25_embeddings_projected",
+                          "frugal_rho0.25_all_projected")}
+    assert (state["frugal_rho0.25"] > state["frugal_rho0.25_embeddings_projected"]
+            > state["frugal_rho0.25_all_projected"]), state
     [verdict] = result["target"]
     assert verdict["ratio"] == rows[("frugal_rho0.25", "in_backward")]["held_vs_torch_adamw"]
     text = markdown({"fingerprint": {"gpu": "x", "torch": "", "triton": "", "frugal_kernels": ""},
