@@ -16,6 +16,7 @@ import copy
 import csv
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -486,10 +487,11 @@ def plot(metrics: dict[str, Any], path: Path) -> Optional[Path]:
     # One legend for the four panels, below them: a dozen rows' legends inside the panels
     # cover the curves they name. The loss panel has a line for every run.
     handles, labels = loss_ax.get_legend_handles_labels()
-    columns = min(4, len(labels))
+    columns = max(1, min(4, len(labels)))
     fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
     fig.suptitle(_title(metrics))
-    fig.tight_layout(rect=(0, 0.025 * -(-len(labels) // columns) + 0.01, 1, 1))
+    legend_rows = math.ceil(len(labels) / columns)
+    fig.tight_layout(rect=(0, 0.025 * legend_rows + 0.01, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
