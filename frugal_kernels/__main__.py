@@ -346,9 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument(
         "--optimizers", nargs="+", metavar="NAME", default=list(demo.DEFAULT_RUNS),
         choices=list(demo.OPTIMIZERS),
-        help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)} (default: all but dqt8, "
-             "dqt3, dqt2 and their -frugal rows); a governed "
-             "run brings the run its budget comes from")
+        help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)} (default: "
+             f"{', '.join(demo.DEFAULT_RUNS)}, those whose package is installed); a "
+             "governed run brings the run its budget comes from")
     _add_training_arguments(demo_parser, demo.DEFAULTS)
     demo_parser.set_defaults(func=_demo)
 

@@ -79,6 +79,16 @@ def check_bits(bits: int, where: str) -> None:
                          f"got {bits!r}")
 
 
+# How a float weight sets the scale: DQT's mean of |W|, or the max of |W| (nothing clipped).
+SCALE_INITS = ("absmean", "absmax")
+
+
+def check_scale_init(scale_init: str, where: str) -> None:
+    if scale_init not in SCALE_INITS:
+        raise ValueError(f"{where}: scale_init must be one of {', '.join(map(repr, SCALE_INITS))}; "
+                         f"got {scale_init!r}")
+
+
 # ---------------------------------------------------------------- packing
 
 def pack(q: Tensor, bits: int) -> Tensor:

@@ -111,20 +111,26 @@ def _badam_frugal(model, config: TrainConfig) -> BAdam:
                  seed=config.seed, inner="frugal", density=0.25, projection="columns")
 
 
-def _dqt(bits: int, update: str) -> OptimizerFactory:
+def _dqt(bits: int, update: str, in_backward: bool = False) -> OptimizerFactory:
     """DQT at ``bits`` over the model's attention and MLP matrices (quantized in place,
-    per-row scales, bf16 weight gradients: 2 bytes per weight instead of 4); the
-    embeddings, norms and head stay fp32 with AdamW."""
+    per-row scales set by absmax, bf16 weight gradients: 2 bytes per weight instead of 4);
+    the embeddings, norms and head stay fp32 with AdamW. DQT's own absmean scale clips
+    about 40% of the initial weights and costs 8% in loss at 4 bits here (docs/demo.md).
+    ``in_backward``: each tensor stepped inside backward, as the frugal+inbwd row."""
     def make(model, config: TrainConfig) -> DQT:
-        quantize_(model, bits=bits, scale="row", dtype=torch.bfloat16)
-        return DQT(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
-                   update=update, density=0.25, projection="columns", update_gap=UPDATE_GAP,
-                   seed=config.seed)
+        quantize_(model, bits=bits, scale="row", dtype=torch.bfloat16, scale_init="absmax")
+        opt = DQT(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
+                  update=update, density=0.25, projection="columns", update_gap=UPDATE_GAP,
+                  seed=config.seed, nonfinite="raise" if in_backward else "skip")
+        if in_backward:
+            step_in_backward(opt, max_grad_norm=config.grad_clip, clip="global")
+        return opt
     return make
 
 
 def _dqt_rows() -> dict[str, DemoOptimizer]:
-    """dqt8 .. dqt2 (ternary), alone and with FRUGAL. Not swept: they take AdamW's lrs."""
+    """dqt8 .. dqt2 (ternary), alone and with FRUGAL, and 4-bit + FRUGAL stepped in
+    backward. Not swept: they take AdamW's lrs."""
     # Colours of their own (the tab: palette is taken by the other rows and the peers), so
     # that any selection of rows stays readable in the plot.
     colors = {8: ("teal", "turquoise"), 4: ("indigo", "black"),
@@ -138,6 +144,9 @@ def _dqt_rows() -> dict[str, DemoOptimizer]:
         rows[f"dqt{bits}-frugal"] = DemoOptimizer(f"DQT {width} + FRUGAL rho=0.25",
                                                   with_frugal, _dqt(bits, "frugal"),
                                                   tuned_as="adamw")
+    rows["dqt4-frugal+inbwd"] = DemoOptimizer("DQT 4-bit + FRUGAL rho=0.25, step in backward",
+                                              "darkviolet", _dqt(4, "frugal", in_backward=True),
+                                              tuned_as="adamw")
     return rows
 
 
@@ -176,10 +185,11 @@ def _peer(spec: dict[str, Any]) -> DemoOptimizer:
 # installed.
 OPTIMIZERS.update((name, _peer(spec)) for name, spec in PEERS.items())
 
-# The runs of a plain `frugal-kernels demo`: every row but the DQT widths other than 4 bits,
-# which `--optimizers dqt8 dqt3 dqt2 ...` adds (each run costs about a minute on a 2-core CPU).
+# The runs of a plain `frugal-kernels demo`: every row but the DQT widths other than 4 bits
+# and DQT in backward, which `--optimizers dqt8 dqt3 dqt2 dqt4-frugal+inbwd ...` adds (each
+# run costs about a minute on a 2-core CPU).
 DEFAULT_RUNS = tuple(name for name in OPTIMIZERS
-                     if not name.startswith("dqt") or name.startswith("dqt4"))
+                     if not name.startswith("dqt") or name in ("dqt4", "dqt4-frugal"))
 
 # TrainConfig's defaults are the demo's (docs/demo.md); each optimizer's two learning rates
 # come from tuned.json, where a sweep recorded them for the model preset.

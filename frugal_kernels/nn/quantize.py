@@ -22,13 +22,14 @@ def _matches(name: str, patterns: List[re.Pattern]) -> bool:
 
 def quantize_(model: nn.Module, bits: int = 4, skip: Union[str, Iterable[str]] = DEFAULT_SKIP,
               scale: str = "tensor", dtype: Optional[torch.dtype] = None,
-              seed: int = 0) -> List[str]:
+              seed: int = 0, scale_init: str = "absmean") -> List[str]:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`QuantLinear` built from it
     (:meth:`QuantLinear.from_linear`), in place; returns the names replaced.
 
     Args:
-        bits, scale, dtype: as for :class:`QuantLinear` (``dtype``, of the bias
-            and the weight gradient, defaults to the layer's, float32 for fp32).
+        bits, scale, scale_init, dtype: as for :class:`QuantLinear` (``dtype``, of
+            the bias and the weight gradient, defaults to the layer's, float32 for
+            fp32).
         skip: layers kept as they are: names or regular expressions, matched
             against the whole module name (``model.layers.0.mlp.up``) or its
             last part (``lm_head``, the default: the output head stays in full
@@ -41,6 +42,7 @@ def quantize_(model: nn.Module, bits: int = 4, skip: Union[str, Iterable[str]] =
     skipped, and nothing is replaced then.
     """
     _quant.check_bits(bits, "quantize_")
+    _quant.check_scale_init(scale_init, "quantize_")
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ takes an nn.Module, got {type(model).__name__}")
     names = [skip] if isinstance(skip, str) else list(skip)
@@ -64,6 +66,7 @@ def quantize_(model: nn.Module, bits: int = 4, skip: Union[str, Iterable[str]] =
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, QuantLinear.from_linear(linear, bits=bits, scale=scale,
-                                                       dtype=dtype, seed=seed + k))
+                                                       dtype=dtype, seed=seed + k,
+                                                       scale_init=scale_init))
         replaced.append(name)
     return replaced

@@ -82,7 +82,8 @@ def step_in_backward(optimizer: Optimizer, accumulation_steps: int = 1, *,
 
     Args:
         optimizer: a :class:`~frugal_kernels.FRUGAL`, :class:`~frugal_kernels.AdaFRUGAL`
-            (``nonfinite="raise"`` or ``"propagate"``), :class:`~frugal_kernels.BAdam`,
+            or :class:`~frugal_kernels.DQT` (``nonfinite="raise"`` or
+            ``"propagate"``), :class:`~frugal_kernels.BAdam`,
             or a torch AdamW / Adam / SGD swapped onto the fused ops
             (:func:`frugal_kernels.swap`).
         accumulation_steps: backward passes per optimizer step.

@@ -50,19 +50,45 @@ def test_no_float_copy_of_the_weight_in_the_module(bits):
     _no_float_copy_of_the_weight(layer)
 
 
-def test_absmean_initialisation_from_a_linear():
+@pytest.mark.parametrize("scale_init", _quant.SCALE_INITS)
+def test_initial_scale_from_a_linear(scale_init):
     torch.manual_seed(3)
     linear = nn.Linear(50, 20)
+    w = linear.weight.detach()
     for bits in _quant.QUANT_BITS:
+        qmax = _quant.qmax(bits)
         for scale in ("tensor", "row"):
-            layer = QuantLinear.from_linear(linear, bits=bits, scale=scale)
-            w = linear.weight.detach()
-            absmean = w.abs().mean() if scale == "tensor" else w.abs().mean(dim=1)
-            s = absmean.reshape(-1) / _quant.qmax(bits)
+            layer = QuantLinear.from_linear(linear, bits=bits, scale=scale,
+                                            scale_init=scale_init)
+            assert layer.scale_init == scale_init
+            if scale == "tensor":
+                size = w.abs().mean() if scale_init == "absmean" else w.abs().max()
+            else:
+                size = w.abs().mean(dim=1) if scale_init == "absmean" else \
+                    w.abs().max(dim=1).values
+            s = size.reshape(-1) / qmax
             assert torch.allclose(layer.scale, s)
-            q = torch.round(w / s.reshape(-1, 1)).clamp(-_quant.qmax(bits), _quant.qmax(bits))
+            q = torch.round(w / s.reshape(-1, 1)).clamp(-qmax, qmax)
             assert torch.equal(_quant.unpack(layer.codes, bits, 50), q.to(torch.int32))
             assert torch.equal(layer.bias, linear.bias)
+
+
+@pytest.mark.parametrize("bits", _quant.QUANT_BITS)
+def test_absmax_clips_nothing_and_absmean_clips(bits):
+    """absmax: every weight within half a step of its code's value, the largest on the
+    end of the range; absmean clips the weights above mean|W| (many at every width)."""
+    torch.manual_seed(4)
+    linear = nn.Linear(64, 32)
+    w = linear.weight.detach()
+    for scale in ("tensor", "row"):
+        absmax = QuantLinear.from_linear(linear, bits=bits, scale=scale, scale_init="absmax")
+        s = absmax.scale.reshape(-1, 1)
+        assert bool(((absmax.dequantize() - w).abs() <= s / 2 * (1 + 1e-6)).all())
+        assert int(_quant.unpack(absmax.codes, bits, 64).abs().max()) == _quant.qmax(bits)
+        absmean = QuantLinear.from_linear(linear, bits=bits, scale=scale)
+        s = absmean.scale.reshape(-1, 1)
+        clipped = (absmean.dequantize() - w).abs() > s / 2 * (1 + 1e-6)
+        assert clipped.float().mean() > 0.2
 
 
 @pytest.mark.parametrize("block_values", [1 << 20, 64, 1])
@@ -182,6 +208,9 @@ def test_deepcopy_is_independent_and_small():
     (dict(scale="column"), ValueError, "scale must be 'tensor' or 'row'"),
     (dict(dtype=torch.float64), TypeError, "dtype must be"),
     (dict(in_features=-1), ValueError, "in_features must be an int"),
+    (dict(in_features=0), ValueError, "in_features must be an int >= 1"),
+    (dict(out_features=0), ValueError, "out_features must be an int >= 1"),
+    (dict(scale_init="absmedian"), ValueError, "scale_init must be one of"),
 ])
 def test_bad_arguments(kwargs, error, match):
     args = {"in_features": 4, "out_features": 3, **kwargs}
@@ -249,3 +278,15 @@ def test_quantize_refuses_tied_weights_and_changes_nothing():
         fk.quantize_(model, bits=6)
     with pytest.raises(ValueError, match="invalid pattern"):
         fk.quantize_(model, skip="(")
+    with pytest.raises(ValueError, match="scale_init must be one of"):
+        fk.quantize_(model, skip=(), scale_init="max")
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_quantize_passes_the_scale_init_on():
+    model = _tiny_lm()
+    before = model.layers[0]["up"].weight.detach().clone()
+    fk.quantize_(model, bits=4, scale="row", scale_init="absmax")
+    layer = model.layers[0]["up"]
+    assert layer.scale_init == "absmax"
+    torch.testing.assert_close(layer.scale, before.abs().max(dim=1).values / _quant.qmax(4))
