@@ -30,7 +30,7 @@ CAPABILITIES = {
     # The GEMMs run in torch (cpu) or in the Triton kernel; no CUDA-C version.
     "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),
     "frugal::dqt_update_": frozenset(BACKENDS),
-    "frugal::dequantize": frozenset(("cpu", "torch")),
+    "frugal::dequantize": frozenset(("cpu", "triton", "torch")),
 }
 
 
