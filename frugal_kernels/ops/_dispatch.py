@@ -31,6 +31,8 @@ CAPABILITIES = {
     "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),
     "frugal::dqt_update_": frozenset(BACKENDS),
     "frugal::dequantize": frozenset(("cpu", "triton", "torch")),
+    # QuantLinear's CPU path is its own blocked dequantize-then-GEMM: no C++ kernel.
+    "frugal::quant_matmul": frozenset(("triton", "torch")),
 }
 
 

@@ -5,8 +5,9 @@ of ``bits``-wide fields ``q + qmax``, ``packed_cols`` bytes long. A lane reads
 its field from one byte, or from two when the field straddles a byte boundary
 (3 bits), multiplies ``s * (field - qmax)`` in fp32 and rounds once into the
 output dtype (``to_param``: to nearest even, as torch), so the result equals the
-reference bit for bit. ``weight_tile`` is the same read on a 2-D tile, shared
-with the fused dequantize-matmul (``quant_matmul``).
+reference bit for bit. ``load_codes`` reads the codes at any (broadcast) indices
+and is shared with the fused dequantize-matmul (``quant_matmul``), which reads
+2-D tiles of them.
 
 Program ``t`` takes the flat positions ``[t * BLOCK, (t + 1) * BLOCK)`` of the
 row-major output; only reads are shared between programs (a byte holding fields
@@ -29,9 +30,9 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def weight_tile(codes_ptr, scale_ptr, r, c, mask, packed_cols, scale_stride, BITS: tl.constexpr):
-    """``s[r] * q[r, c]`` in fp32 at the (broadcast) indices ``r``, ``c`` (int64), 0
-    outside ``mask``. ``scale_stride`` is 1 for a scale per row, 0 for one per tensor."""
+def load_codes(codes_ptr, r, c, mask, packed_cols, BITS: tl.constexpr):
+    """The codes ``q[r, c]`` (int32, ``-qmax .. qmax``) at the broadcast indices ``r``, ``c``
+    (int64) where ``mask`` holds; ``-qmax`` (the field 0) elsewhere."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     bit = c * BITS
     byte_ptr = codes_ptr + r * packed_cols + (bit >> 3)
@@ -42,9 +43,7 @@ def weight_tile(codes_ptr, scale_ptr, r, c, mask, packed_cols, scale_stride, BIT
         # packed_cols bytes cover every bit of its last field.
         high = tl.load(byte_ptr + 1, mask=mask & (shift + BITS > 8), other=0).to(tl.int32)
         low = low | (high << 8)
-    field = (low >> shift) & ((1 << BITS) - 1)
-    scale = tl.load(scale_ptr + r * scale_stride, mask=mask, other=0.0)
-    return tl.where(mask, scale * (field - QMAX).to(tl.float32), 0.0)
+    return ((low >> shift) & ((1 << BITS) - 1)) - QMAX
 
 
 @triton.jit
@@ -54,7 +53,9 @@ def _dequantize_kernel(codes_ptr, scale_ptr, out_ptr, total, C, packed_cols, sca
     inside = pos < total
     r = pos // C
     c = pos - r * C
-    w = weight_tile(codes_ptr, scale_ptr, r, c, inside, packed_cols, scale_stride, BITS)
+    q = load_codes(codes_ptr, r, c, inside, packed_cols, BITS)
+    scale = tl.load(scale_ptr + r * scale_stride, mask=inside, other=0.0)
+    w = scale * q.to(tl.float32)
     tl.store(out_ptr + pos, to_param(w, out_ptr.dtype.element_ty), mask=inside)
 
 
