@@ -93,14 +93,15 @@ def test_bad_input_raises(name, kwargs, error, match):
         ops.quant_matmul(**kwargs)
 
 
+@pytest.mark.parametrize("backend", cpu_backends("frugal::quant_matmul"))
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
 @pytest.mark.parametrize("transpose_weight", [True, False], ids=["a@W.T", "a@W"])
 @pytest.mark.parametrize("per_row", [False, True], ids=["tensor scale", "row scales"])
-def test_opcheck(per_row, transpose_weight, bias):
+def test_opcheck(per_row, transpose_weight, bias, backend):
     a, codes, scales, b, _ = quant_matmul_case(5, 9, 13, 3, per_row, torch.float32,
                                                transpose_weight, bias, seed=2)
     torch.library.opcheck(torch.ops.frugal.quant_matmul.default,
-                          (a, codes, scales, b, 3, 13, transpose_weight, "auto"))
+                          (a, codes, scales, b, 3, 13, transpose_weight, backend))
 
 
 def test_compiles_with_torch_compile():
