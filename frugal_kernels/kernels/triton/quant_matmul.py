@@ -100,8 +100,9 @@ def _quant_matmul_kernel(a_ptr, codes_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K
 def wide_products(dtype: torch.dtype) -> bool:
     """Whether the tiles go into tl.dot as fp32 with IEEE products: fp32 inputs always
     (see the module docstring), bf16 ones under the interpreter, whose dot multiplies
-    the raw bits of bf16 values (it holds them as uint16) as integers. The products of
-    two bf16 values are exact in fp32, so the widened dot has the tensor cores' math."""
+    the raw bits of bf16 values (it holds them as uint16) as integers. The product of
+    two bf16 values is exact in fp32, so the widened dot computes what the tensor
+    cores do: exact products, fp32 sums."""
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
 
 
@@ -118,5 +119,5 @@ def quant_matmul(a: Tensor, codes: Tensor, scales: Tensor, bias: Optional[Tensor
     _quant_matmul_kernel[grid](
         a, codes, scales, out if bias is None else bias, out, m, n, k, a.stride(0), a.stride(1),
         codes.shape[1], int(scales.numel() > 1), HAS_BIAS=bias is not None,
-        TRANSPOSE=bool(transpose_weight), WIDE=wide_products(a.dtype), BITS=bits, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_warps=NUM_WARPS)
+        TRANSPOSE=bool(transpose_weight), WIDE=wide_products(a.dtype), BITS=bits,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_warps=NUM_WARPS)
