@@ -439,8 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run only these sections: ops, optimizers, overhead (the host time "
                             "per step on LLaMA-130M's tensor structure with tiny tensors), "
                             "in_backward (the memory of a LLaMA-20m training step, ordinary "
-                            "vs frugal_kernels.step_in_backward), dqt (QuantLinear storage and "
-                            "a whole training step of one layer)")
+                            "vs frugal_kernels.step_in_backward), dqt (QuantLinear storage, "
+                            "a whole training step of one layer, and on a GPU its forward "
+                            "with the fused dequantize-matmul against nn.Linear)")
     bench.add_argument("--preset", choices=sorted(PRESETS),
                        help="model shape of the optimizer part (default 130m, 20m with --quick) "
                             "and of the in_backward part (default 20m)")

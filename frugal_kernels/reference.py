@@ -27,7 +27,8 @@ def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     return g32 * inverse_grad_scale(torch.tensor(grad_scale, dtype=torch.float64))
 
 
-__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "dqt_update_"]
+__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "dqt_update_",
+           "dequantize", "quant_matmul"]
 
 
 
@@ -290,3 +291,17 @@ def dequantize(codes: Tensor, scales: Tensor, *, bits: int, cols: int,
     (the format's own definition, :func:`frugal_kernels._quant.dequantize`) and
     rounded to ``dtype``."""
     return _quant.dequantize(codes, scales, bits, cols).to(dtype)
+
+
+@torch.no_grad()
+def quant_matmul(a: Tensor, codes: Tensor, scales: Tensor, bias: Optional[Tensor] = None, *,
+                 bits: int, cols: int, transpose_weight: bool = True) -> Tensor:
+    """``ops.quant_matmul``: ``a @ W.T + bias`` (``a @ W`` without ``transpose_weight``),
+    ``W`` the packed codes' weight rounded to ``a``'s dtype, as :func:`dequantize`
+    gives it; the products summed and the bias added in fp32, the result rounded
+    to ``a``'s dtype once."""
+    w = dequantize(codes, scales, bits=bits, cols=cols, dtype=a.dtype).float()
+    out = a.float() @ (w.t() if transpose_weight else w)
+    if bias is not None:
+        out += bias.float()
+    return out.to(a.dtype)

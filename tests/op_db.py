@@ -737,3 +737,12 @@ DQT_UPDATE = OpInfo(
 )
 
 OPS = (ADAMW, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP, DQT_UPDATE)
+
+# The ops outside the table: out of place and not optimizer steps (no lists, no lr
+# or step), which the generic tests do not fit; each gets the table's checks
+# (every CPU backend against the reference, odd and empty sizes, bad input,
+# opcheck) in its own file, and the Triton kernel's geometry in tests/triton_backend/.
+OUT_OF_PLACE_OPS = {
+    "dequantize": "tests/ops/test_dequantize.py",
+    "quant_matmul": "tests/ops/test_quant_matmul.py",
+}

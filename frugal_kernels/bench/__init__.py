@@ -80,13 +80,18 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
     if with_dqt:
         # One 4096 x 4096 layer at batch 4 (issue's setting; 1024 in a quick run).
         dim = 1024 if quick else 4096
-        with tqdm(total=2, desc=f"dqt ({dim} x {dim} layer)", unit="part") as bar:
+        with tqdm(total=3, desc=f"dqt ({dim} x {dim} layer)", unit="part") as bar:
             storage = _dqt.storage(dim, dev)
             bar.update(1)
             result["dqt"] = {"storage": storage,
                              "step": _dqt.layer_step(dim, 4, rounds=max(3, rounds // 2),
                                                      device=dev)}
             bar.update(1)
+            result["dqt"]["forward"] = _dqt.forward(dim, rounds=rounds, device=dev)
+            bar.update(1)
+        if "skipped" in result["dqt"]["forward"]:
+            print(f"dqt forward (QuantLinear with quant_matmul vs nn.Linear): skipped, "
+                  f"{result['dqt']['forward']['skipped']}")
     out = Path(out) if out is not None else Path("bench/results")
     stem = _fingerprint.device_id(fp) + ("-quick" if quick else "")
     result["files"] = [str(p) for p in report.write(result, out, stem)]

@@ -4,7 +4,10 @@
 (codes and scales, from the tensors' storages) against ``nn.Linear`` in fp32 and bf16.
 :func:`layer_step` times forward, backward and the optimizer step of one ``dim x dim`` layer
 on a batch of ``batch`` rows, QuantLinear + DQT against ``nn.Linear`` fp32 with
-``torch.optim.AdamW(fused=True)``, in interleaved rounds. The op sweep
+``torch.optim.AdamW(fused=True)``, in interleaved rounds. :func:`forward` times the
+forward pass of one layer on a GPU, where QuantLinear runs the fused
+dequantize-matmul (``ops.quant_matmul``), against ``nn.Linear`` in fp32 and bf16;
+without CUDA it reports itself skipped. The op sweep
 (:mod:`frugal_kernels.bench.ops`) has ``dqt_update_`` against the roofline.
 """
 
@@ -21,7 +24,9 @@ from frugal_kernels.nn import QuantLinear
 from frugal_kernels.optim import DQT
 from frugal_kernels.optim.memory import storage_bytes
 
-__all__ = ["layer_step", "storage"]
+__all__ = ["forward", "layer_step", "storage"]
+
+FORWARD_SKIPPED = "needs a CUDA GPU (QuantLinear's fused dequantize-matmul runs through Triton)"
 
 
 def storage(dim: int = 4096, device: torch.device = torch.device("cpu")) -> List[dict]:
@@ -70,3 +75,30 @@ def layer_step(dim: int = 4096, batch: int = 4, bits: int = 4, rounds: int = 7,
     base = seconds["nn.Linear fp32 + AdamW(fused)"]
     return {"dim": dim, "batch": batch, "bits": bits, "seconds": seconds,
             "vs_linear_adamw": {name: t / base for name, t in seconds.items()}}
+
+
+def forward(dim: int = 4096, batches=(4, 2048), bits: int = 4, rounds: int = 15,
+            device: torch.device = torch.device("cpu")) -> Dict[str, object]:
+    """Median seconds of the forward pass of one ``dim x dim`` layer at each batch size:
+    QuantLinear (``bits``, per-row scales; ``ops.quant_matmul`` on the GPU) against
+    ``nn.Linear`` of the input's dtype, fp32 and bf16, in the same rounds. A small batch
+    is bound by reading the weight (``bits / 8`` bytes per weight against 4 or 2), a
+    large one by the products. ``{"skipped": reason}`` on a device other than CUDA."""
+    if device.type != "cuda":
+        return {"skipped": FORWARD_SKIPPED}
+    torch.manual_seed(0)
+    linear = nn.Linear(dim, dim, device=device)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        dense = nn.Linear(dim, dim, device=device, dtype=dtype)
+        quant = QuantLinear.from_linear(linear, bits=bits, scale="row", dtype=dtype)
+        for batch in batches:
+            x = torch.randn(batch, dim, device=device, dtype=dtype)
+            candidates = {"nn.Linear": lambda: dense(x), "QuantLinear": lambda: quant(x)}
+            with torch.no_grad():
+                seconds = measure(candidates, device=device, rounds=rounds)
+            rows.append({"dtype": name, "batch": batch, "linear_s": seconds["nn.Linear"],
+                         "quant_s": seconds["QuantLinear"],
+                         "vs_linear": seconds["QuantLinear"] / seconds["nn.Linear"]})
+    return {"dim": dim, "bits": bits, "rows": rows}

@@ -76,7 +76,24 @@ def markdown(result: dict) -> str:
         lines += _table(["layer + optimizer", "ms/step", "x nn.Linear fp32 + fused AdamW"],
                         [[name, f"{t * 1e3:.1f}", f"{step['vs_linear_adamw'][name]:.2f}"]
                          for name, t in step["seconds"].items()])
+        lines += _dqt_forward_lines(dqt.get("forward"))
     return "\n".join(lines)
+
+
+def _dqt_forward_lines(fwd: Optional[dict]) -> List[str]:
+    """The forward table of frugal_kernels.bench.dqt.forward, or the reason it was skipped."""
+    if not fwd:
+        return []
+    if "skipped" in fwd:
+        return ["", f"Forward with the fused dequantize-matmul (quant_matmul): skipped, "
+                    f"{fwd['skipped']}."]
+    lines = ["", f"Forward pass of one {fwd['dim']} x {fwd['dim']} layer, QuantLinear "
+                 f"{fwd['bits']}-bit (row scales, fused dequantize-matmul) against nn.Linear "
+                 "of the input's dtype, in the same rounds:", ""]
+    return lines + _table(["dtype", "batch", "nn.Linear ms", "QuantLinear ms", "x nn.Linear"],
+                          [[r["dtype"], str(r["batch"]), f"{r['linear_s'] * 1e3:.3f}",
+                            f"{r['quant_s'] * 1e3:.3f}", f"{r['vs_linear']:.2f}"]
+                           for r in fwd["rows"]])
 
 
 def _in_backward_lines(ib: Optional[dict]) -> List[str]:

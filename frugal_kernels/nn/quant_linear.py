@@ -3,9 +3,11 @@
 The weight is ``W = s * q`` in the format of :mod:`frugal_kernels._quant`: the
 codes ``q`` live in the uint8 buffer ``codes`` (``bits / 8`` bytes per weight),
 the fp32 scales in ``scale`` (one per tensor or per output row). No float copy
-of ``W`` is kept anywhere: the forward and backward passes dequantize a block
-of rows at a time (:func:`frugal_kernels.ops.dequantize`) and run the GEMM on
-it, and :class:`frugal_kernels.DQT` updates the codes in place with a fused
+of ``W`` is kept anywhere: on a GPU the forward pass and the input gradient run
+the fused dequantize-matmul (:func:`frugal_kernels.ops.quant_matmul`, Triton),
+which reads the codes inside the GEMM; on the CPU they dequantize a block of rows
+at a time (:func:`frugal_kernels.ops.dequantize`) and run the GEMM on it; and
+:class:`frugal_kernels.DQT` updates the codes in place with a fused
 stochastic-rounding step.
 
 The module still has a ``weight`` parameter, a :class:`QuantWeight`: a
@@ -81,24 +83,43 @@ def _placeholder(rows: int, cols: int, dtype: torch.dtype, device) -> Tensor:
     return torch.zeros(1, dtype=dtype, device=device).expand(rows, cols)
 
 
+def _fused_backend(device: torch.device) -> Optional[str]:
+    """The backend of ``ops.quant_matmul`` for inputs on ``device`` (triton on a GPU),
+    or None for the blocked dequantize-then-GEMM (the CPU, which has no fused kernel:
+    its blocks go through the BLAS GEMM; also a GPU whose ``auto`` is not triton,
+    as under ``FRUGAL_BACKEND=torch`` or without triton installed)."""
+    if device.type != "cuda":
+        return None
+    backend = ops.resolve("auto", device, "frugal::quant_matmul")
+    return backend if backend == "triton" else None
+
+
 class _QuantLinearFunction(torch.autograd.Function):
-    """``x @ W.T + b`` with ``W`` dequantized a block of rows at a time; the gradient
-    of the placeholder ``weight`` is the weight's, in the placeholder's dtype."""
+    """``x @ W.T + b`` with ``W`` read from its codes: on a GPU by the fused
+    dequantize-matmul (``ops.quant_matmul``, forward and input gradient), elsewhere
+    dequantized a block of rows at a time; the gradient of the placeholder
+    ``weight`` is the weight's, in the placeholder's dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, codes: Tensor, scale: Tensor,
                 bias: Optional[Tensor], bits: int) -> Tensor:
         rows, cols = weight.shape
         x2 = x.reshape(-1, cols)
-        out = torch.empty(x2.shape[0], rows, dtype=x.dtype, device=x.device)
-        for r0, r1, w in _blocks(codes, scale, bits, cols, x.dtype):
-            # Into a fresh block then copied: a column block of `out` as the GEMM's
-            # own output took 1.4x as long (BLAS went through a slower path).
-            out[:, r0:r1] = torch.mm(x2, w.t())
-        if bias is not None:
-            out += bias
+        backend = _fused_backend(x.device)
+        if backend is not None:
+            out = ops.quant_matmul(x2, codes, scale, bias, bits=bits, cols=cols,
+                                   backend=backend)
+        else:
+            out = torch.empty(x2.shape[0], rows, dtype=x.dtype, device=x.device)
+            for r0, r1, w in _blocks(codes, scale, bits, cols, x.dtype):
+                # Into a fresh block then copied: a column block of `out` as the GEMM's
+                # own output took 1.4x as long (BLAS went through a slower path).
+                out[:, r0:r1] = torch.mm(x2, w.t())
+            if bias is not None:
+                out += bias
         ctx.save_for_backward(x2, codes, scale)
         ctx.bits, ctx.has_bias, ctx.shape = bits, bias is not None, x.shape
+        ctx.backend = backend
         ctx.weight_dtype = weight.dtype
         return out.reshape(*x.shape[:-1], rows)
 
@@ -108,7 +129,11 @@ class _QuantLinearFunction(torch.autograd.Function):
         rows = codes.shape[0]
         g2 = grad_out.reshape(-1, rows)
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.backend is not None:
+            grad_x = ops.quant_matmul(g2, codes, scale, bits=ctx.bits, cols=x2.shape[1],
+                                      transpose_weight=False,
+                                      backend=ctx.backend).reshape(ctx.shape)
+        elif ctx.needs_input_grad[0]:
             grad_x = torch.zeros_like(x2, memory_format=torch.contiguous_format)
             for r0, r1, w in _blocks(codes, scale, ctx.bits, x2.shape[1], x2.dtype):
                 grad_x.addmm_(g2[:, r0:r1], w)

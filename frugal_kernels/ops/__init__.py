@@ -13,7 +13,9 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
 - :func:`dqt_update_` — DQT's step on packed INT-n weights: dequantize, the
   FRUGAL (or AdamW, or SignSGD) update, stochastic rounding, pack;
 - :func:`dequantize` — packed INT-n codes back to the float weight (the read
-  side of ``nn.QuantLinear``; out of place).
+  side of ``nn.QuantLinear``; out of place);
+- :func:`quant_matmul` — ``a @ W.T + bias`` (or ``a @ W``) with ``W`` read from its
+  packed INT-n codes inside the GEMM (``nn.QuantLinear`` on a GPU; out of place).
 
 The registered operators are ``torch.ops.frugal.<op>``; the functions here
 accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
@@ -25,9 +27,11 @@ from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
 from frugal_kernels.ops.lowrank_step import lowrank_step_
+from frugal_kernels.ops.quant_matmul import quant_matmul
 from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "dqt_update_", "dequantize",
+           "quant_matmul",
            "BACKENDS", "CAPABILITIES",
            "resolve", "usable_backends"]

@@ -30,7 +30,9 @@ CAPABILITIES = {
     # The GEMMs run in torch (cpu) or in the Triton kernel; no CUDA-C version.
     "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),
     "frugal::dqt_update_": frozenset(BACKENDS),
-    "frugal::dequantize": frozenset(("cpu", "torch")),
+    "frugal::dequantize": frozenset(("cpu", "triton", "torch")),
+    # QuantLinear's CPU path is its own blocked dequantize-then-GEMM: no C++ kernel.
+    "frugal::quant_matmul": frozenset(("triton", "torch")),
 }
 
 

@@ -75,7 +75,12 @@ def _torch(codes: Tensor, scales: Tensor, bits: int, out: Tensor) -> None:
     out.copy_(reference.dequantize(codes, scales, bits=bits, cols=out.shape[1], dtype=out.dtype))
 
 
-_IMPLS = {"cpu": _cpu, "torch": _torch}
+def _triton(codes: Tensor, scales: Tensor, bits: int, out: Tensor) -> None:
+    from frugal_kernels.kernels.triton.dequantize import dequantize as kernel
+    kernel(codes, scales, bits, out)
+
+
+_IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
 
 
 def dequantize(codes: Tensor, scales: Tensor, *, bits: int, cols: int,
@@ -94,7 +99,7 @@ def dequantize(codes: Tensor, scales: Tensor, *, bits: int, cols: int,
         dtype: of the result (float32, bfloat16 or float16); the product
             ``s * q`` is computed in fp32 and then rounded to it.
         out: a contiguous ``[R, cols]`` tensor of ``dtype`` to write into.
-        backend: ``"auto"``, ``"cpu"`` or ``"torch"``.
+        backend: ``"auto"``, ``"cpu"``, ``"triton"`` or ``"torch"``.
     """
     if out is None:
         out = codes.new_empty((codes.shape[0], int(cols)), dtype=dtype)

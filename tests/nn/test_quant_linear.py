@@ -12,6 +12,8 @@ from frugal_kernels import _quant
 from frugal_kernels.nn import QuantLinear, QuantWeight
 from frugal_kernels.nn import quant_linear as quant_linear_module
 
+from ..ops.helpers import cpu_backends
+
 
 def _layer(in_f=37, out_f=11, bits=4, scale="tensor", bias=True, seed=0, dtype=None):
     torch.manual_seed(seed)
@@ -112,6 +114,65 @@ def test_forward_and_backward_equal_a_linear_on_the_dequantized_weight(monkeypat
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(layer.bias.grad, b.grad)
     assert layer.weight.grad.is_contiguous()
+
+
+@pytest.mark.parametrize("backend", cpu_backends("frugal::quant_matmul"))
+@pytest.mark.parametrize("bits,scale", [(4, "tensor"), (3, "row"), (2, "row"), (8, "tensor")])
+def test_the_fused_path_equals_a_linear_on_the_dequantized_weight(monkeypatch, backend, bits,
+                                                                  scale):
+    """The GPU path (forward and input gradient through ops.quant_matmul, never the
+    blocks), forced onto CPU tensors: triton under the interpreter, or the torch backend."""
+    calls, original = [], fk.ops.quant_matmul
+
+    def quant_matmul(*args, **kwargs):
+        calls.append(kwargs.get("transpose_weight", True))
+        return original(*args, **kwargs)
+
+    def no_blocks(*args, **kwargs):
+        raise AssertionError("the blocked path ran")
+
+    monkeypatch.setattr(quant_linear_module, "_fused_backend", lambda device: backend)
+    monkeypatch.setattr(quant_linear_module.ops, "quant_matmul", quant_matmul)
+    monkeypatch.setattr(quant_linear_module, "_blocks", no_blocks)
+    layer = _layer(bits=bits, scale=scale)
+    x = torch.randn(2, 5, 37, requires_grad=True)
+    y = layer(x)
+    w = layer.dequantize().requires_grad_(True)
+    b = layer.bias.detach().clone().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    expected = nn.functional.linear(x2, w, b)
+    torch.testing.assert_close(y, expected)
+    y.sum().backward()  # an expanded gradient of stride 0 goes into the op as it is
+    expected.sum().backward()
+    assert calls == [True, False]
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(layer.weight.grad, w.grad)
+    torch.testing.assert_close(layer.bias.grad, b.grad)
+
+
+def test_the_blocked_path_runs_on_the_cpu():
+    assert quant_linear_module._fused_backend(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_a_gpu_the_fused_path_equals_the_cpu_layer(dtype):
+    """On CUDA (with triton) the layer runs quant_matmul; its outputs and gradients match
+    the CPU layer's blocked path (fp32 sums in another order; bf16 to its rounding)."""
+    layer = _layer(in_f=300, out_f=130, bits=3, scale="row", dtype=dtype)
+    gpu = copy.deepcopy(layer).cuda()
+    assert quant_linear_module._fused_backend(torch.device("cuda")) == "triton"
+    x = torch.randn(7, 300, dtype=dtype, requires_grad=True)
+    xg = x.detach().cuda().requires_grad_(True)
+    g = torch.randn(7, 130, dtype=dtype)
+    layer(x).backward(g)
+    y = gpu(xg)
+    y.backward(g.cuda())
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y.cpu(), layer(x).detach(), **tol)
+    torch.testing.assert_close(xg.grad.cpu(), x.grad, **tol)
+    torch.testing.assert_close(gpu.weight.grad.cpu(), layer.weight.grad, **tol)
 
 
 def test_bf16_gradient_and_input():

@@ -90,3 +90,56 @@ def make_batch(shapes, dtype, seed=0, state_shapes=None):
     exp_avgs = [torch.randn(s, generator=gen) * 0.1 for s in state_shapes]
     exp_avg_sqs = [torch.rand(s, generator=gen) * 0.01 for s in state_shapes]
     return params, grads, exp_avgs, exp_avg_sqs
+
+
+# ---------------------------------------------------------------- quant_matmul
+
+# Unit roundoff of each output dtype: half the distance from 1 to the next value.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+FP32_EPS = 2.0**-23  # machine epsilon of the fp32 accumulator
+
+
+def quant_matmul_case(m, rows, cols, bits, per_row, dtype, transpose_weight=True, bias=True,
+                      seed=0):
+    """(a, codes, scales, bias, q): a random weight over the whole code range, ``a`` of
+    the product's inner size; ``q`` the int64 codes the packed ``codes`` hold."""
+    from frugal_kernels import _quant
+    gen = torch.Generator().manual_seed(seed)
+    top = _quant.qmax(bits)
+    q = torch.randint(-top, top + 1, (rows, cols), generator=gen)
+    scales = torch.rand(rows if per_row else 1, generator=gen) * 0.5 + 0.05
+    a = torch.randn(m, cols if transpose_weight else rows, generator=gen).to(dtype)
+    b = torch.randn(rows if transpose_weight else cols, generator=gen).to(dtype) if bias else None
+    return a, _quant.pack(q, bits), scales, b, q
+
+
+def assert_within_gemm_bound(out, a, q, scales, bias, transpose_weight, what=""):
+    """``out`` against ``a @ W.T + bias`` (``a @ W``) computed in float64 from the integer
+    codes ``q``, with ``W = s * q`` (an fp32 product, as ``_quant`` defines the format)
+    rounded to ``a``'s dtype as the op defines it.
+
+    The bound: any fp32 evaluation of a sum of K products plus a bias, in any order,
+    is within ``gamma * S`` of the exact sum, with ``S = sum_k |a_k| |w_k| + |b|``
+    and ``gamma = (K + 2) * eps`` (``eps = 2**-23``: each of the K additions and
+    the rounding of an fp32 product, with a factor 2 over the textbook ``K * u``
+    that also covers accumulators which truncate instead of rounding). The result
+    is then rounded once into the output dtype: another ``u_out * |result|``.
+    Backends differ only in the order of the sums, so a wrong code, scale, bias or
+    index is off by about one term ``|a_k| |w_k|``, far above the bound.
+    """
+    w = (q.float() * scales.reshape(-1, 1)).to(a.dtype).double()
+    w = w.t() if transpose_weight else w
+    a64 = a.double()
+    exact = a64 @ w
+    magnitude = a64.abs() @ w.abs()
+    if bias is not None:
+        exact = exact + bias.double()
+        magnitude = magnitude + bias.double().abs()
+    gamma = (a.shape[1] + 2) * FP32_EPS
+    bound = gamma * magnitude + UNIT_ROUNDOFF[a.dtype] * (exact.abs() + gamma * magnitude)
+    assert out.dtype == a.dtype and out.shape == exact.shape, f"{what}: {out.dtype} {out.shape}"
+    err = (out.double() - exact).abs()
+    over = err > bound
+    assert not bool(over.any()), (f"{what}: {int(over.sum())} of {out.numel()} values beyond "
+                                  f"the bound (worst error {float(err.max()):.3g}, bound there "
+                                  f"{float(bound.flatten()[int(err.argmax())]):.3g})")

@@ -88,11 +88,13 @@ def test_bad_input_raises_and_writes_nothing(backend, name, kwargs, error, match
         assert torch.equal(out, before)
 
 
+@pytest.mark.parametrize("backend", cpu_backends("frugal::dequantize"))
 @pytest.mark.parametrize("per_row", [False, True])
-def test_opcheck(per_row):
+def test_opcheck(per_row, backend):
     _, packed, scales = _case((9, 13), 3, per_row)
     out = torch.empty(9, 13)
-    torch.library.opcheck(torch.ops.frugal.dequantize.default, (out, packed, scales, 3, "auto"))
+    torch.library.opcheck(torch.ops.frugal.dequantize.default,
+                          (out, packed, scales, 3, backend))
 
 
 @pytest.mark.skipif(extension() is None, reason="compiled extension not built")

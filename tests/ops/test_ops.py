@@ -9,15 +9,16 @@ torch.library.opcheck and, for the compiled CPU kernels, at every ISA level.
 """
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from frugal_kernels._extension import extension
-from frugal_kernels.ops import BACKENDS
+from frugal_kernels.ops import BACKENDS, CAPABILITIES
 from frugal_kernels.ops._dispatch import unavailable_reason
 
-from ..op_db import OPS
+from ..op_db import OPS, OUT_OF_PLACE_OPS
 from .helpers import cpu_backends
 
 
@@ -162,3 +163,13 @@ def test_every_cpu_isa_level_gives_identical_bits(op, sample, dtype):
             for x, y in zip(base, tensors):
                 assert torch.equal(x, y), \
                     f"{level} differs from {base_level} under {op.isa_variants[v]}"
+
+
+def test_every_op_of_the_capability_table_is_tested():
+    """A new op joins the table, or the out-of-place list with a test file of its own."""
+    assert not {op.name for op in OPS} & set(OUT_OF_PLACE_OPS)
+    tested = {op.name for op in OPS} | set(OUT_OF_PLACE_OPS)
+    assert tested == {name.split("::")[1] for name in CAPABILITIES}
+    root = Path(__file__).resolve().parents[2]
+    for name, path in OUT_OF_PLACE_OPS.items():
+        assert (root / path).is_file(), f"{name}: {path} is missing"

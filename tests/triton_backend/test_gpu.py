@@ -18,6 +18,8 @@ from frugal_kernels import _quant, ops
 from frugal_kernels._layout import subset_dim
 from frugal_kernels._layout import subset_state_shape as state_shape
 
+from ..ops.helpers import assert_within_gemm_bound, quant_matmul_case
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -243,3 +245,41 @@ def test_device_scalars_do_not_sync():
         run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", _quant.QUANT_BITS)
+def test_dequantize(bits, dtype):
+    """Compiled, the reference's bits (an fp32 product rounded once, as on the CPU)."""
+    gen = torch.Generator().manual_seed(bits)
+    top = _quant.qmax(bits)
+    for shape, per_row in (((300, 1), False), ((37, 9), True), ((1000, 4099), True)):
+        q = torch.randint(-top, top + 1, shape, generator=gen)
+        codes = _quant.pack(q, bits)
+        scales = torch.rand(shape[0] if per_row else 1, generator=gen) + 1e-3
+        got = ops.dequantize(codes.cuda(), scales.cuda(), bits=bits, cols=shape[1],
+                             dtype=dtype, backend="triton")
+        assert_same_bits([got], [(q.float() * scales.reshape(-1, 1)).to(dtype)],
+                         f"dequantize {shape}")
+
+
+# (bits, transpose_weight, dtype): every width, both products and every dtype, in
+# few compiled variants (each costs a Triton compilation).
+QUANT_MATMUL_CASES = [(2, True, torch.bfloat16), (2, False, torch.float32),
+                      (3, True, torch.float16), (3, False, torch.bfloat16),
+                      (4, True, torch.float32), (4, False, torch.float16),
+                      (8, True, torch.bfloat16), (8, False, torch.float32)]
+
+
+@pytest.mark.parametrize("bits,transpose_weight,dtype", QUANT_MATMUL_CASES, ids=str)
+def test_quant_matmul(bits, transpose_weight, dtype):
+    """Compiled (native bf16 / fp16 tensor-core products; IEEE fp32 ones), within the
+    bound of tests.ops.helpers.assert_within_gemm_bound of the exact product, at a
+    decoding shape (tiles of 16 rows) and one with many tiles and ragged edges."""
+    for i, (m, rows, cols) in enumerate(((4, 4096, 4096), (300, 1000, 777))):
+        a, codes, scales, bias, q = quant_matmul_case(m, rows, cols, bits, i % 2 == 0, dtype,
+                                                      transpose_weight, seed=i)
+        out = ops.quant_matmul(a.cuda(), codes.cuda(), scales.cuda(), bias.cuda(), bits=bits,
+                               cols=cols, transpose_weight=transpose_weight, backend="triton")
+        assert_within_gemm_bound(out.cpu(), a, q, scales, bias, transpose_weight,
+                                 what=f"{(m, rows, cols)}")

@@ -58,9 +58,13 @@ TL_INDEX_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64}
 VECTOR_ALIGNMENT = 16
 
 
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def check_device(device: torch.device) -> None:
     """The interpreter dereferences the table's raw addresses on the host."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" and device.type != "cpu":
+    if interpreting() and device.type != "cpu":
         raise ValueError("under TRITON_INTERPRET=1 the triton backend of frugal_kernels runs on "
                          f"CPU tensors only, got tensors on {device}")
 
