@@ -65,6 +65,13 @@ class QuantWeight(nn.Parameter):
     def seed(self) -> int:
         return self.module.seed
 
+    @property
+    def index_offset(self) -> int:
+        """The global index of the first element of the module's codes: 0, unless
+        :func:`frugal_kernels.nn.shard_quantized_` gave the module a block of rows
+        (the rounding keys each element by its index in the whole weight)."""
+        return self.module.first_row * self.module.in_features
+
     def __deepcopy__(self, memo):
         raise TypeError("a QuantWeight is copied with its QuantLinear (copy.deepcopy(module))")
 
@@ -207,6 +214,8 @@ class QuantLinear(nn.Module):
                             f"torch.float16, got {dtype}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.scale_mode, self.seed = bits, scale, seed % (1 << 32)
+        # The global row of the first row of `codes` (shard_quantized_ keeps a block).
+        self.first_row = 0
         self.register_buffer("codes", torch.zeros(
             _quant.packed_shape((out_features, in_features), bits), dtype=torch.uint8,
             device=device))
@@ -349,7 +358,7 @@ class QuantLinear(nn.Module):
         stand_in = nn.Parameter(weight.detach()[:1, :1].clone())
         self._with_weight(stand_in, lambda: super(QuantLinear, self)._apply(fn, recurse))
         new = stand_in.detach().reshape(1)
-        weight.data = new.expand(self.out_features, self.in_features)
+        weight.data = new.expand(weight.shape)
         if weight.grad is not None:
             weight.grad = fn(weight.grad)
         if self.scale.dtype != torch.float32:
