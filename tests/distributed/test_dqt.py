@@ -220,13 +220,62 @@ def _rank(rank, world, port, out):
         results[name]["from_one"] = result(model, opt)
 
     # FRUGAL's rows and randk draw along the rows, which the ranks hold in part.
-    try:
-        fk.DQT(fsdp(Net("frugal-4"), mesh).parameters(), update="frugal", projection="rows")
-        results["rows_refused"] = ""
-    except ValueError as e:
-        results["rows_refused"] = str(e)
+    results["rows_refused"] = error_of(lambda: fk.DQT(fsdp(Net("frugal-4"), mesh).parameters(),
+                                                      update="frugal", projection="rows"))
+    # DDP's own initial broadcast cannot write the placeholders (hence init_sync=False).
+    results["ddp_init_sync"] = error_of(
+        lambda: nn.parallel.DistributedDataParallel(Net("adamw-4")), RuntimeError)
+    # A 2-D mesh (HSDP) and a second sharding are refused.
+    results["mesh_2d"] = error_of(
+        lambda: shard_quantized_(Net("adamw-4"), init_device_mesh("cpu", (1, world))))
+    sharded = Net("adamw-2")
+    shard_quantized_(sharded, mesh)
+    results["twice"] = error_of(lambda: shard_quantized_(sharded, mesh))
+    results["collectives"] = count_shard_collectives(mesh, rank, world)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def error_of(fn, kind=ValueError):
+    """The message of the ``kind`` error ``fn`` raises ("" if none)."""
+    try:
+        fn()
+    except kind as e:
+        return str(e)
+    return ""
+
+
+def count_shard_collectives(mesh, rank, world):
+    """How often the split layers gather and reduce-scatter in one forward, backward and
+    step (of a model with two split layers and row scales)."""
+    from frugal_kernels.nn.sharded import RowShard
+
+    counts = {"gather": 0, "reduce_scatter_mean": 0}
+    phase = {}
+    real = {name: getattr(RowShard, name) for name in counts}
+
+    def counting(name):
+        def call(self, *args):
+            counts[name] += 1
+            return real[name](self, *args)
+        return call
+    model = fsdp(Net("sign-2"), mesh)
+    opt = optimizer("sign-2", model)
+    x, y = batches()[0]
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    for name in counts:
+        setattr(RowShard, name, counting(name))
+    try:
+        out = model(x[rows])
+        phase["forward"] = dict(counts)
+        nn.functional.mse_loss(out, y[rows]).backward()
+        phase["backward"] = dict(counts)
+        opt.step()
+        phase["step"] = dict(counts)
+    finally:
+        for name, fn in real.items():
+            setattr(RowShard, name, fn)
+    return phase
 
 
 def _free_port():
@@ -360,3 +409,22 @@ def test_a_checkpoint_of_one_process_resumes_on_two_ranks(runs, name):
 def test_row_subsets_are_refused_on_split_rows(runs):
     _, ranks = runs
     assert "projection columns or blocks" in ranks[0]["rows_refused"]
+
+
+def test_refusals(runs):
+    _, ranks = runs
+    assert "more than one element of the written-to tensor" in ranks[0]["ddp_init_sync"]
+    assert "1-D DeviceMesh" in ranks[0]["mesh_2d"]
+    assert "sharded already" in ranks[0]["twice"]
+
+
+def test_split_layers_gather_for_each_pass_and_reduce_scatter_the_gradient(runs):
+    _, ranks = runs
+    # Two layers with row scales: forward gathers codes and scales of each (4); backward
+    # gathers them again where the input needs a gradient (the second layer: 2; the
+    # first one's input is the data) and reduce-scatters each weight's gradient (2); the
+    # step exchanges nothing of the split layers.
+    assert ranks[0]["collectives"] == {
+        "forward": {"gather": 4, "reduce_scatter_mean": 0},
+        "backward": {"gather": 6, "reduce_scatter_mean": 2},
+        "step": {"gather": 6, "reduce_scatter_mean": 2}}
