@@ -139,6 +139,13 @@ class DQT(FRUGAL):
         state_free, state_free_lr_scale, reset_state, block_order, seed,
         backend, nonfinite: as for :class:`frugal_kernels.FRUGAL`.
 
+    Under DDP every rank steps the whole weights with the averaged gradient and
+    writes the same codes. Under FSDP2, :func:`frugal_kernels.nn.shard_quantized_`
+    leaves each rank a block of every layer's rows: the state is kept for those rows
+    (saved as DTensors of the whole weight's rows), the rounding keys each element by
+    its index in the whole weight, and ``update="frugal"`` takes ``projection``
+    ``"columns"`` or ``"blocks"`` (the row-wise draws are refused).
+
     The codes take ``bits / 8`` bytes per weight; the weight gradient has the
     dtype of the layer's ``dtype`` (bf16: 2 bytes per weight). Under
     ``torch.compile`` the step runs eagerly: its op takes the step count of
@@ -266,7 +273,7 @@ class DQT(FRUGAL):
         super().load_state_dict({**state_dict, "state": state})
 
     def _param_ids(self, state_dict: dict):
-        """(saved id, parameter) of the sharded quantized weights, by position."""
+        """(saved id, parameter) of the quantized weights, by position."""
         saved = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         return [(pid, p) for pid, p in zip(saved, params) if isinstance(p, QuantWeight)]
