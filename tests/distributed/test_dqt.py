@@ -232,6 +232,7 @@ def _rank(rank, world, port, out):
     shard_quantized_(sharded, mesh)
     results["twice"] = error_of(lambda: shard_quantized_(sharded, mesh))
     results["collectives"] = count_shard_collectives(mesh, rank, world)
+    results["nonfinite"] = nonfinite_on_one_rank(mesh, rank)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -243,6 +244,27 @@ def error_of(fn, kind=ValueError):
     except kind as e:
         return str(e)
     return ""
+
+
+def nonfinite_on_one_rank(mesh, rank):
+    """Whether the split codes changed on this rank in a step where only the first rank's
+    rows have a NaN gradient, on a model with nothing for FSDP2 (so the ranks' only
+    link is the split layers')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(QuantLinear(12, 6, bias=False), nn.Tanh(), QuantLinear(6, 2, bias=False))
+    shard_quantized_(model, mesh)
+    opt = fk.DQT(model.parameters(), lr=5e-2, update="sign")
+    x, _ = batches()[0]
+    changed = {}
+    for name in ("nan", "finite"):
+        before = codes(model)
+        model(x[:4]).sum().backward()
+        if name == "nan" and rank == 0:
+            model[0].weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+        changed[name] = [not torch.equal(a, b) for a, b in zip(before, codes(model))]
+    return changed
 
 
 def count_shard_collectives(mesh, rank, world):
@@ -428,3 +450,12 @@ def test_split_layers_gather_for_each_pass_and_reduce_scatter_the_gradient(runs)
         "forward": {"gather": 4, "reduce_scatter_mean": 0},
         "backward": {"gather": 6, "reduce_scatter_mean": 2},
         "step": {"gather": 6, "reduce_scatter_mean": 2}}
+
+
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(runs):
+    _, ranks = runs
+    # nonfinite="skip": the ranks decide together (an all-reduce over the split layers'
+    # group), so neither writes its codes.
+    assert ranks[0]["nonfinite"] == ranks[1]["nonfinite"]
+    assert ranks[0]["nonfinite"]["nan"] == [False, False]
+    assert ranks[0]["nonfinite"]["finite"] == [True, True]  # a step does move them
