@@ -8,7 +8,10 @@ Every rank builds the same LLaMA preset, shards it with ``fully_shard`` (each de
 layer, then the whole model), takes two steps of each optimizer on random tokens and
 reports ``opt.state_bytes()``; the first rank also builds the unsharded model and
 reports the one-process figure. BAdam is measured within its first block (an embedding
-of 32000 x 256 for the 20m preset with ``include_embedding``).
+of 32000 x 256 for the 20m preset with ``include_embedding``). The DQT rows quantize the
+model to 4 bits first (``quantize_``: every Linear but the head) and split its quantized
+layers' rows with ``nn.shard_quantized_`` before ``fully_shard``. ``--only WORD`` runs
+the rows whose name holds WORD.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import frugal_kernels as fk
@@ -31,6 +35,9 @@ OPTIMIZERS = {
     "BAdam": lambda m: fk.BAdam(m, switch_every=50, switch_mode="ascending",
                                 include_embedding=True, include_head=True),
     "AdamW (torch)": lambda m: torch.optim.AdamW(m.parameters()),
+    **{f"DQT {u} (4-bit)": (lambda m, u=u: fk.DQT(m.parameters(), update=u, density=0.25,
+                                                  projection="columns", update_gap=200))
+       for u in ("adamw", "frugal", "sign")},
 }
 
 
@@ -51,9 +58,17 @@ def measure(model, make, batch) -> int:
     return state_bytes(opt)
 
 
+def build(config, name):
+    model = LlamaForCausalLM(config, seed=0)
+    if name.startswith("DQT"):
+        fk.quantize_(model, bits=4)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="20m")
+    parser.add_argument("--only", default="")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,16 +77,20 @@ def main() -> None:
     batch = torch.randint(0, config.vocab_size, (2 * world, 32),
                           generator=torch.Generator().manual_seed(0))
     rows = []
+    mesh = init_device_mesh("cpu", (world,))
     for name, make in OPTIMIZERS.items():
-        model = LlamaForCausalLM(config, seed=0)
+        if args.only not in name:
+            continue
+        model = build(config, name)
+        ignored = set(fk.nn.shard_quantized_(model, mesh)) if name.startswith("DQT") else None
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
         mine = measure(model, make, batch[2 * rank:2 * rank + 2])
         per_rank = [None] * world
         dist.all_gather_object(per_rank, mine)
         if rank == 0:
-            one = measure(LlamaForCausalLM(config, seed=0), make, batch[:2])
+            one = measure(build(config, name), make, batch[:2])
             rows.append((name, one, per_rank))
     if rank == 0:
         print(f"| optimizer ({args.model}, {world} ranks) | one process | per rank | "

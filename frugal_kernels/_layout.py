@@ -138,6 +138,15 @@ def inverse_grad_scale(grad_scale: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------- memory
 
+def row_chunk(n: int, num_shards: int, shard_rank: int) -> Tuple[int, int]:
+    """(offset, size) of shard ``shard_rank`` of ``n`` rows split as ``torch.chunk`` and
+    DTensor's ``Shard(0)`` split them: ``ceil(n / num_shards)`` rows each, the last
+    shards fewer or none. (FSDP2's split, which ``nn.shard_quantized_`` follows too.)"""
+    size = -(-n // num_shards) if n else 0
+    offset = min(n, size * shard_rank)
+    return offset, max(0, min(n, offset + size) - offset)
+
+
 def memory_span(t: Tensor) -> Optional[Tuple[int, int]]:
     """[first byte, one past the last byte) of the memory ``t`` touches; None if empty."""
     if t.numel() == 0:

@@ -55,6 +55,7 @@ QUANT_BITS = (2, 3, 4, 8)
 GOLDEN = 0x9E3779B9
 _MASK = 0xFFFFFFFF
 _MIX_1, _MIX_2 = 0x7FEB352D, 0x846CA68B
+_MIX_1_INVERSE, _MIX_2_INVERSE = (pow(m, -1, 1 << 32) for m in (_MIX_1, _MIX_2))
 
 
 def qmax(bits: int) -> int:
@@ -145,6 +146,32 @@ def _mix32_int(x: int) -> int:
 def rng_key(seed: int, step: int) -> int:
     """The per-tensor, per-step key of the counter-based generator (a uint32)."""
     return _mix32_int(step + _mix32_int(seed + GOLDEN))
+
+
+def _unmix32_int(x: int) -> int:
+    """The inverse of ``_mix32_int`` (each step of lowbias32 is a bijection of uint32:
+    an xor-shift undone by xoring the shifts back in, an odd multiplier by its
+    inverse modulo 2**32)."""
+    x &= _MASK
+    x ^= x >> 16
+    x = (x * _MIX_2_INVERSE) & _MASK
+    x ^= (x >> 15) ^ (x >> 30)
+    x = (x * _MIX_1_INVERSE) & _MASK
+    return x ^ (x >> 16)
+
+
+def shifted_seed(seed: int, step: int, offset: int) -> int:
+    """The seed whose uniforms at ``step`` for the indices ``i`` are ``seed``'s for
+    ``i + offset``: ``uniform(shifted_seed(s, t, o), t, i) == uniform(s, t, i + o)``.
+
+    A block of rows of a weight that starts at element ``offset`` of the whole
+    (a rank's rows under row sharding) rounds as the whole weight would when its
+    own elements, counted from 0, are keyed by this seed: the element index only
+    enters the key as ``index + key`` (mod 2**32), so shifting the index is
+    shifting the key, and the key is reached from a seed by inverting ``mix32``
+    twice. It depends on the step: a new one is made for every step."""
+    target = (rng_key(seed, step) + offset) & _MASK
+    return (_unmix32_int((_unmix32_int(target) - step) & _MASK) - GOLDEN) & _MASK
 
 
 def uniform(seed: int, step: int, index: Tensor) -> Tensor:

@@ -67,6 +67,19 @@ class QuantWeight(nn.Parameter):
     def seed(self) -> int:
         return self.module.seed
 
+    @property
+    def shard(self):
+        """The module's :class:`frugal_kernels.nn.sharded.RowShard` (None unless
+        :func:`frugal_kernels.nn.shard_quantized_` split its rows over ranks)."""
+        return self.module.shard
+
+    @property
+    def index_offset(self) -> int:
+        """The global index of the first element of the module's codes: 0, unless
+        :func:`frugal_kernels.nn.shard_quantized_` gave the module a block of rows
+        (the rounding keys each element by its index in the whole weight)."""
+        return self.module.first_row * self.module.in_features
+
     def __deepcopy__(self, memo):
         raise TypeError("a QuantWeight is copied with its QuantLinear (copy.deepcopy(module))")
 
@@ -94,6 +107,59 @@ def _fused_backend(device: torch.device) -> Optional[str]:
     return backend if backend == "triton" else None
 
 
+def linear_forward(x: Tensor, codes: Tensor, scale: Tensor, bias: Optional[Tensor],
+                   bits: int) -> Tuple[Tensor, Tensor]:
+    """``x @ W.T + b``, by the fused dequantize-matmul where there is one
+    (:func:`_fused_backend`), else with ``W`` dequantized a block of rows at a time;
+    returns it and ``x`` as a 2-D view. The blocked output is made in its final shape,
+    not reshaped from 2-D: a view returned from a module makes FSDP2 warn that an
+    in-place op on it would skip its backward hook."""
+    rows, cols = codes.shape[0], x.shape[-1]
+    x2 = x.reshape(-1, cols)
+    backend = _fused_backend(x.device)
+    if backend is not None:
+        out = ops.quant_matmul(x2, codes, scale, bias, bits=bits, cols=cols, backend=backend)
+        return out.reshape(*x.shape[:-1], rows), x2
+    out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, rows)
+    for r0, r1, w in _blocks(codes, scale, bits, cols, x.dtype):
+        # Into a fresh block then copied: a column block of `out` as the GEMM's
+        # own output took 1.4x as long (BLAS went through a slower path).
+        out2[:, r0:r1] = torch.mm(x2, w.t())
+    if bias is not None:
+        out += bias
+    return out, x2
+
+
+def grad_input(g2: Tensor, x2: Tensor, codes: Tensor, scale: Tensor, bits: int) -> Tensor:
+    """``g2 @ W`` (the input's gradient, 2-D): fused where there is a kernel, else a
+    block of rows of ``W`` at a time."""
+    backend = _fused_backend(x2.device)
+    if backend is not None:
+        return ops.quant_matmul(g2, codes, scale, bits=bits, cols=x2.shape[1],
+                                transpose_weight=False, backend=backend)
+    grad_x = torch.zeros_like(x2, memory_format=torch.contiguous_format)
+    for r0, r1, w in _blocks(codes, scale, bits, x2.shape[1], x2.dtype):
+        grad_x.addmm_(g2[:, r0:r1], w)
+    return grad_x
+
+
+def grad_weight(g2: Tensor, x2: Tensor, dtype: torch.dtype) -> Tensor:
+    """``g2.T @ x2`` (the weight's gradient ``[rows, cols]``) in ``dtype``."""
+    if dtype == x2.dtype:
+        return g2.t().mm(x2)
+    # A gradient of another dtype (bf16 for fp32 inputs) is cast a block of rows at a
+    # time, in cache: casting the whole product afterwards was one more pass over the
+    # weight's size (at 4096 x 4096, batch 4, the step took 1.64x nn.Linear + fused
+    # AdamW's time with it, against 1.31x in fp32).
+    rows = g2.shape[1]
+    out = torch.empty(rows, x2.shape[1], dtype=dtype, device=x2.device)
+    step = _rows_per_block(rows, x2.shape[1])
+    for r0 in range(0, rows, step):
+        out[r0:r0 + step] = g2[:, r0:r0 + step].t().mm(x2)
+    return out
+
+
 class _QuantLinearFunction(torch.autograd.Function):
     """``x @ W.T + b`` with ``W`` read from its codes: on a GPU by the fused
     dequantize-matmul (``ops.quant_matmul``, forward and input gradient), elsewhere
@@ -103,54 +169,21 @@ class _QuantLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, codes: Tensor, scale: Tensor,
                 bias: Optional[Tensor], bits: int) -> Tensor:
-        rows, cols = weight.shape
-        x2 = x.reshape(-1, cols)
-        backend = _fused_backend(x.device)
-        if backend is not None:
-            out = ops.quant_matmul(x2, codes, scale, bias, bits=bits, cols=cols,
-                                   backend=backend)
-        else:
-            out = torch.empty(x2.shape[0], rows, dtype=x.dtype, device=x.device)
-            for r0, r1, w in _blocks(codes, scale, bits, cols, x.dtype):
-                # Into a fresh block then copied: a column block of `out` as the GEMM's
-                # own output took 1.4x as long (BLAS went through a slower path).
-                out[:, r0:r1] = torch.mm(x2, w.t())
-            if bias is not None:
-                out += bias
+        out, x2 = linear_forward(x, codes, scale, bias, bits)
         ctx.save_for_backward(x2, codes, scale)
         ctx.bits, ctx.has_bias, ctx.shape = bits, bias is not None, x.shape
-        ctx.backend = backend
         ctx.weight_dtype = weight.dtype
-        return out.reshape(*x.shape[:-1], rows)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x2, codes, scale = ctx.saved_tensors
-        rows = codes.shape[0]
-        g2 = grad_out.reshape(-1, rows)
+        g2 = grad_out.reshape(-1, codes.shape[0])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0] and ctx.backend is not None:
-            grad_x = ops.quant_matmul(g2, codes, scale, bits=ctx.bits, cols=x2.shape[1],
-                                      transpose_weight=False,
-                                      backend=ctx.backend).reshape(ctx.shape)
-        elif ctx.needs_input_grad[0]:
-            grad_x = torch.zeros_like(x2, memory_format=torch.contiguous_format)
-            for r0, r1, w in _blocks(codes, scale, ctx.bits, x2.shape[1], x2.dtype):
-                grad_x.addmm_(g2[:, r0:r1], w)
-            grad_x = grad_x.reshape(ctx.shape)
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_input(g2, x2, codes, scale, ctx.bits).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
-            if ctx.weight_dtype == x2.dtype:
-                grad_w = g2.t().mm(x2)
-            else:
-                # A gradient of another dtype (bf16 for fp32 inputs) is cast a block of
-                # rows at a time, in cache: casting the whole product afterwards was one
-                # more pass over the weight's size (at 4096 x 4096, batch 4, the step took
-                # 1.64x nn.Linear + fused AdamW's time with it, against 1.31x in fp32).
-                grad_w = torch.empty(rows, x2.shape[1], dtype=ctx.weight_dtype,
-                                     device=x2.device)
-                step = _rows_per_block(rows, x2.shape[1])
-                for r0 in range(0, rows, step):
-                    grad_w[r0:r0 + step] = g2[:, r0:r0 + step].t().mm(x2)
+            grad_w = grad_weight(g2, x2, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[4]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, None, None, grad_b, None
@@ -220,6 +253,9 @@ class QuantLinear(nn.Module):
     ``seed``; it loads back bit-exactly.
     """
 
+    # Set by frugal_kernels.nn.shard_quantized_, which keeps a block of the rows.
+    shard = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 4,
                  scale: str = "tensor", device=None, dtype: Optional[torch.dtype] = None,
                  seed: int = 0, scale_init: str = "absmean"):
@@ -241,6 +277,8 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.scale_mode, self.seed = bits, scale, seed % (1 << 32)
         self.scale_init = scale_init
+        # The global row of the first row of `codes` (shard_quantized_ keeps a block).
+        self.first_row = 0
         self.register_buffer("codes", torch.zeros(
             _quant.packed_shape((out_features, in_features), bits), dtype=torch.uint8,
             device=device))
@@ -390,7 +428,7 @@ class QuantLinear(nn.Module):
         stand_in = nn.Parameter(weight.detach()[:1, :1].clone())
         self._with_weight(stand_in, lambda: super(QuantLinear, self)._apply(fn, recurse))
         new = stand_in.detach().reshape(1)
-        weight.data = new.expand(self.out_features, self.in_features)
+        weight.data = new.expand(weight.shape)
         if weight.grad is not None:
             weight.grad = fn(weight.grad)
         if self.scale.dtype != torch.float32:

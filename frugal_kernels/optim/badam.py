@@ -38,7 +38,14 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 # history written as lists of [key, value] pairs (torch.distributed.checkpoint's
 # get_optimizer_state_dict keeps "state" and "param_groups" only, and keeps a list of
 # dicts only as far as the template it loads into has entries); 1: a top-level entry.
-_FORMAT = 2
+# 3: as 2, with inner="frugal"'s per-tensor state in "state" (see _INNER).
+_FORMAT = 3
+# inner="frugal": the inner FRUGAL's state of a parameter is saved in this optimizer's
+# entry of that parameter, its keys prefixed (no dots: DCP's keys are "<fqn>.<entry>").
+# torch.distributed.checkpoint keys "state" by the model's parameter names and loads a
+# nested state only as far as a fresh optimizer's has entries, and a fresh inner
+# FRUGAL's are empty.
+_INNER = "inner_"
 
 BlockSpec = Union[Dict[str, Sequence[str]], Sequence[Sequence[str]]]
 
@@ -410,16 +417,26 @@ class BAdam(torch.optim.Optimizer):
         shape, split as it is (what ``torch.distributed.checkpoint`` reshards)."""
         sd = super().state_dict()
         if self._layouts:
-            if self._inner is not None:
-                raise ValueError("BAdam(inner='frugal') on DTensor parameters (FSDP2) has no "
-                                 "state dict yet: its inner FRUGAL's state is not keyed by "
-                                 "the model's parameters; use inner='adamw' to checkpoint")
             params = [p for g in self.param_groups for p in g["params"]]
             for pid, p in enumerate(params):
                 layout = self._layouts.get(p)
                 if layout is not None and sd["state"].get(pid):
                     sd["state"][pid] = {k: layout.to_dtensor(v, p.shape)
                                         for k, v in sd["state"][pid].items()}
+        inner_state = None
+        if self._inner is not None:
+            # In its global form on DTensors already (a collective).
+            inner_state = self._inner.state_dict()
+            ids = {id(p): pid for g, saved in zip(self.param_groups, sd["param_groups"])
+                   for p, pid in zip(g["params"], saved["params"])}
+            for p, inner_pid in _inner_pairs(self._inner, inner_state):
+                entries = {_INNER + k: v
+                           for k, v in inner_state["state"].get(inner_pid, {}).items()}
+                if entries:
+                    # A new dict: torch's state_dict hands out this optimizer's own.
+                    pid = ids[id(p)]
+                    sd["state"][pid] = {**sd["state"].get(pid, {}), **entries}
+            inner_state = {**inner_state, "state": {}}
         sd["param_groups"][0]["badam"] = {
             "version": _FORMAT,
             "block_names": list(self.block_names),
@@ -432,7 +449,7 @@ class BAdam(torch.optim.Optimizer):
             "generator": self._generator.get_state(),
             "history": [[[k, v] for k, v in h.items()] for h in self.history],
             "inner": self.inner,
-            "inner_state": self._inner.state_dict() if self._inner is not None else None,
+            "inner_state": inner_state,
         }
         return sd
 
@@ -452,6 +469,14 @@ class BAdam(torch.optim.Optimizer):
         With DTensor parameters the state is taken as DTensors of any split (or plain
         tensors holding the whole); this rank keeps its rows."""
         extra = _saved_extra(state_dict)
+        # The inner FRUGAL's entries (format 3) apart from this optimizer's own.
+        own_state, inner_entries = {}, {}
+        for pid, st in state_dict["state"].items():
+            own_state[pid] = {k: v for k, v in st.items() if not k.startswith(_INNER)}
+            inner = {k[len(_INNER):]: v for k, v in st.items() if k.startswith(_INNER)}
+            if inner:
+                inner_entries[pid] = inner
+        state_dict = {**state_dict, "state": own_state}
         n = len(self.block_names)
         if list(extra["block_names"]) != self.block_names:
             raise ValueError(f"the state dict's blocks {list(extra['block_names'])} are not "
@@ -481,10 +506,10 @@ class BAdam(torch.optim.Optimizer):
                  for pid, p in zip(saved["params"], group["params"])]
         active_ids = set(saved_groups[active]["params"])
         for pid, p in pairs:
+            if (saved_state.get(pid) or pid in inner_entries) and pid not in active_ids:
+                raise ValueError(f"the state dict holds state for param {pid}, which is "
+                                 "not in the active block")
             if saved_state.get(pid):  # an empty entry is no state
-                if pid not in active_ids:
-                    raise ValueError(f"the state dict holds state for param {pid}, which is "
-                                     "not in the active block")
                 _check_saved_state(saved_state[pid], p, pid)
         generator = torch.Generator()
         generator.set_state(extra["generator"])
@@ -497,7 +522,18 @@ class BAdam(torch.optim.Optimizer):
             # Built and loaded before anything of this optimizer changes: its
             # load_state_dict raises on a state that does not fit the block.
             inner = self._make_inner(active)
-            inner.load_state_dict(extra["inner_state"])
+            saved_inner = extra["inner_state"]
+            # Format 2 kept the inner state in saved_inner["state"]; format 3 in ours.
+            merged = dict(saved_inner.get("state", {}))
+            block_ids = {id(p): pid for p, pid in zip(self.param_groups[active]["params"],
+                                                     saved_groups[active]["params"])}
+            for p, inner_pid in _inner_pairs(inner, saved_inner):
+                if block_ids[id(p)] in inner_entries:
+                    merged[inner_pid] = inner_entries[block_ids[id(p)]]
+            inner.load_state_dict({**saved_inner, "state": merged})
+        elif inner_entries:
+            raise ValueError("the state dict holds an inner FRUGAL's state, but this "
+                             "optimizer uses inner='adamw'")
 
         loaded = {}
         for pid, p in pairs:
@@ -530,6 +566,13 @@ class BAdam(torch.optim.Optimizer):
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _inner_pairs(inner: FRUGAL, inner_state: dict) -> List[Tuple[Tensor, Any]]:
+    """(parameter, id in ``inner_state``) of an inner FRUGAL's parameters, by position."""
+    params = [p for g in inner.param_groups for p in g["params"]]
+    ids = [pid for g in inner_state["param_groups"] for pid in g["params"]]
+    return list(zip(params, ids))
 
 
 def _saved_extra(state_dict: dict) -> dict:

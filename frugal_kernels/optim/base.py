@@ -210,11 +210,12 @@ class FusedOptimizer(Optimizer):
         if grad_scale is None and self.nonfinite != "propagate" and with_grads:
             bad = _first_nonfinite(with_grads)
             elsewhere = False
-            if self._layouts:
+            shard_groups = self._shard_groups()
+            if shard_groups:
                 # Under FSDP2 each rank sees its own rows of the gradients: the ranks
                 # decide together (one all-reduce), or one would skip a step the others
                 # take and their schedules would part.
-                elsewhere = sharding.any_rank(bad is not None, self._shard_groups(),
+                elsewhere = sharding.any_rank(bad is not None, shard_groups,
                                               with_grads[0][2].device) and bad is None
             if bad is not None or elsewhere:
                 if self.nonfinite == "skip":

@@ -28,6 +28,9 @@ UPDATES = ("adamw", "sign", "frugal")
 # The FRUGAL projections a quantized weight can take: its codes are updated
 # elementwise, which a low-rank projection (a GEMM on the float weight) is not.
 QUANT_PROJECTIONS = ("blocks", "columns", "rows", "randk")
+# Those whose draw is the same on a block of a weight's rows as on the whole weight:
+# the columns (every row's), and whole tensors.
+SHARDED_PROJECTIONS = ("columns", "blocks")
 
 
 class _StateFreeOnly(Projection):
@@ -136,6 +139,13 @@ class DQT(FRUGAL):
         state_free, state_free_lr_scale, reset_state, block_order, seed,
         backend, nonfinite: as for :class:`frugal_kernels.FRUGAL`.
 
+    Under DDP every rank steps the whole weights with the averaged gradient and
+    writes the same codes. Under FSDP2, :func:`frugal_kernels.nn.shard_quantized_`
+    leaves each rank a block of every layer's rows: the state is kept for those rows
+    (saved as DTensors of the whole weight's rows), the rounding keys each element by
+    its index in the whole weight, and ``update="frugal"`` takes ``projection``
+    ``"columns"`` or ``"blocks"`` (the row-wise draws are refused).
+
     The codes take ``bits / 8`` bytes per weight; the weight gradient has the
     dtype of the layer's ``dtype`` (bf16: 2 bytes per weight). Under
     ``torch.compile`` the step runs eagerly: its op takes the step count of
@@ -211,6 +221,16 @@ class DQT(FRUGAL):
             raise ValueError(f"{where}: update='frugal' on quantized weights takes projection "
                              f"{', '.join(QUANT_PROJECTIONS)}; {group['projection']!r} is a "
                              "low-rank projection, whose GEMMs need a float weight")
+        if update == "frugal" and group.get("projected", True) and \
+                group["projection"] not in SHARDED_PROJECTIONS and \
+                self._sharded_weights(group.get("params", ())):
+            raise ValueError(f"{where}: weights whose rows are split over ranks "
+                             f"(shard_quantized_) take update='frugal' with projection "
+                             f"{' or '.join(SHARDED_PROJECTIONS)}: {group['projection']!r} "
+                             "draws along the rows, which each rank holds in part")
+
+    def _sharded_weights(self, params) -> list:
+        return [p for p in params if isinstance(p, QuantWeight) and p.shard is not None]
 
     def _family(self, group: dict) -> Projection:
         if not group["projected"] or group["update"] == "adamw":
@@ -224,6 +244,49 @@ class DQT(FRUGAL):
         if saved.get("update", group["update"]) != group["update"]:
             raise ValueError(f"param group {gi}: update is {group['update']!r} here but "
                              f"{saved.get('update')!r} in the state dict")
+
+    # ------------------------------------------- weights split by shard_quantized_
+    # Their state is kept for the rank's rows. A state dict holds it in the global form
+    # (as FSDP2's parameters' is, frugal_kernels.optim.sharding): the moments, whose rows
+    # are the weight's, as DTensors of the whole weight's rows; the rest (step counts,
+    # column ids) the same on every rank.
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        for pid, p in self._param_ids(sd):
+            st = sd["state"].get(pid)
+            if p.shard is None or not st:
+                continue
+            sd["state"][pid] = {key: p.shard.to_dtensor(value, (p.shard.rows, *value.shape[1:]))
+                                if key in ("exp_avg", "exp_avg_sq") else value
+                                for key, value in st.items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict["state"])
+        for pid, p in self._param_ids(state_dict):
+            st = state.get(pid)
+            if p.shard is None or not st:
+                continue
+            state[pid] = {key: p.shard.block_of(value) if key in ("exp_avg", "exp_avg_sq")
+                          else value for key, value in st.items()}
+        super().load_state_dict({**state_dict, "state": state})
+
+    def _param_ids(self, state_dict: dict):
+        """(saved id, parameter) of the quantized weights, by position."""
+        saved = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        return [(pid, p) for pid, p in zip(saved, params) if isinstance(p, QuantWeight)]
+
+    def _shard_groups(self) -> list:
+        # The ranks see their own rows of the split weights' gradients: they decide a
+        # non-finite skip together, as for FSDP2's parameters.
+        groups = super()._shard_groups()
+        for group in self.param_groups:
+            for p in self._sharded_weights(group["params"]):
+                if p.shard.num_shards > 1 and all(p.shard.group is not g for g in groups):
+                    groups.append(p.shard.group)
+        return groups
 
     def _rng_step(self) -> int:
         return self._steps_taken

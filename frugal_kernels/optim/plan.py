@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from frugal_kernels import ops
+from frugal_kernels import _quant, ops
 from frugal_kernels.ops import unchecked
 from frugal_kernels._layout import LEFT, inverse_grad_scale, lowrank_side, project
 from frugal_kernels.optim.sharding import ShardLayout, local
@@ -283,11 +283,16 @@ def _dqt_call(bucket: Bucket, grads, m, v, indices, kind: str, step, beta1: floa
     their modules', read at each call: a module moved by ``.to()`` has new ones; the
     runners' ``params`` are the placeholders, which the op does not touch)."""
     group, params = bucket.group, bucket.params
+    rng_step = bucket.rng_step % (1 << 32)
+    # A block of a weight's rows (shard_quantized_) rounds as those rows of the whole
+    # weight do: its elements are keyed by their global index.
+    seeds = [_quant.shifted_seed(p.seed, rng_step, p.index_offset) if p.index_offset else p.seed
+             for p in params]
     calls.dqt_update_([p.codes for p in params], [p.scale for p in params], grads, m, v, indices,
-                      bits=bucket.assignment.bits, kind=kind, seeds=[p.seed for p in params],
+                      bits=bucket.assignment.bits, kind=kind, seeds=seeds,
                       lr=bucket.lr, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=group["weight_decay"], step=step,
-                      rng_step=bucket.rng_step % (1 << 32), state_free=group["state_free"],
+                      rng_step=rng_step, state_free=group["state_free"],
                       state_free_scale=group["state_free_lr_scale"], backend=backend,
                       check_indices=False, **amp)
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from frugal_kernels._layout import LEFT, lowrank_side
+from frugal_kernels._layout import LEFT, lowrank_side, row_chunk as chunk
 
 __all__ = ["ShardLayout", "layout_of", "local", "is_sharded", "sharded_entry", "chunk",
            "any_rank"]
@@ -68,15 +68,6 @@ def is_sharded(t: Tensor) -> bool:
 def local(t: Tensor) -> Tensor:
     """The local block of a DTensor (a view of its storage), or ``t`` itself."""
     return t.to_local() if is_sharded(t) else t
-
-
-def chunk(n: int, num_shards: int, shard_rank: int) -> Tuple[int, int]:
-    """(offset, size) of shard ``shard_rank`` of ``n`` rows split as ``torch.chunk`` and
-    DTensor's ``Shard(0)`` split them: ``ceil(n / num_shards)`` rows each, the last
-    shards fewer or none."""
-    size = -(-n // num_shards) if n else 0
-    offset = min(n, size * shard_rank)
-    return offset, max(0, min(n, offset + size) - offset)
 
 
 def sharded_entry(key: str, p: Tensor) -> bool:

@@ -1,6 +1,6 @@
-"""FRUGAL, AdaFRUGAL and BAdam under FSDP2 (``fully_shard``): two CPU ranks (gloo)
-against one process on the same global batch, and torch.distributed.checkpoint
-across 2 -> 2, 2 -> 1 and 1 -> 2 ranks.
+"""FRUGAL, AdaFRUGAL and BAdam (AdamW or FRUGAL inside) under FSDP2 (``fully_shard``):
+two CPU ranks (gloo) against one process on the same global batch, and
+torch.distributed.checkpoint across 2 -> 2, 2 -> 1 and 1 -> 2 ranks.
 
 Under FSDP2 every parameter is a DTensor sharded on dim 0 and the optimizer steps
 each rank's rows; the subspace is chosen on the global shape from the optimizer's
@@ -32,7 +32,8 @@ STEPS = 6
 CUT = 3  # checkpoints are taken after CUT steps
 BATCH = 8  # global; each of the two ranks takes half
 # The first rank's is the last layer's whole weight: the second rank's block is empty.
-CONFIGS = [f"FRUGAL-{p}" for p in PROJECTIONS] + ["AdaFRUGAL-rows", "AdaFRUGAL-svd", "BAdam"]
+CONFIGS = [f"FRUGAL-{p}" for p in PROJECTIONS] + ["AdaFRUGAL-rows", "AdaFRUGAL-svd", "BAdam",
+                                                   "BAdam-frugal"]
 
 
 class Net(nn.Module):
@@ -68,8 +69,11 @@ def optimizer(name, model):
         # first rank; layers.3.bias stays frozen.
         blocks = [[f"layers.{i}.weight", f"layers.{i}.bias"] for i in range(3)]
         blocks.append(["norm.weight", "norm.bias", "layers.3.weight"])
+        # BAdam-frugal: a FRUGAL (rows, new subsets every step) trains the active block.
+        inner = dict(inner="frugal", projection="rows", density=0.5, update_gap=1) \
+            if projection == "frugal" else {}
         return fk.BAdam(model, lr=1e-2, switch_every=2, switch_mode="random", blocks=blocks,
-                        seed=3)
+                        seed=3, **inner)
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
               {"params": [p for p in model.parameters() if p.dim() < 2], "projected": False}]
     if kind == "FRUGAL":
@@ -224,14 +228,6 @@ def _rank(rank, world, port, out):
     for m, opt in zip((torch_run, swapped, turned), (adamw[0], adamw[1], frugal)):
         train(m, opt, CUT, STEPS, rank, world)
     results["swap"] = [full_params(m) for m in (torch_run, swapped, turned)]
-
-    # BAdam over a FRUGAL: it steps, but has no state dict on DTensors yet (clear error).
-    inner = fk.BAdam(shard(Net(), mesh), switch_every=2, inner="frugal", projection="rows")
-    try:
-        inner.state_dict()
-        results["badam_inner_frugal"] = ""
-    except ValueError as e:
-        results["badam_inner_frugal"] = str(e)
 
     # AdaFRUGAL's loss-aware T with a loss that differs per rank: the rule sees the
     # mean, so the ranks grow T together.
@@ -412,11 +408,6 @@ def test_swap_and_from_optimizer_on_dtensors_follow_torchs_adamw(runs):
     for a, b, c in zip(reference, swapped, turned):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
-
-
-def test_badam_over_frugal_refuses_a_state_dict_on_dtensors(runs):
-    _, ranks = runs
-    assert "inner='frugal'" in ranks[0]["badam_inner_frugal"]
 
 
 def test_observe_loss_keeps_the_ranks_on_one_schedule(runs):

@@ -53,6 +53,18 @@ def test_uniforms_are_in_range_and_depend_on_every_key():
         assert (other != u).float().mean() > 0.99
 
 
+def test_a_shifted_seed_draws_the_uniforms_of_shifted_indices():
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randint(0, 2**32, (500,), dtype=torch.int64, generator=gen).tolist()
+    assert [Q._unmix32_int(Q._mix32_int(x)) for x in xs] == xs
+    idx = torch.arange(1000)
+    for seed, step, offset in ((0, 0, 5), (7, 3, 1000), (2**32 - 1, 2**32 - 1, 2**31 + 12345)):
+        shifted = Q.shifted_seed(seed, step, offset)
+        assert 0 <= shifted < 2**32
+        assert torch.equal(Q.uniform(shifted, step, idx), Q.uniform(seed, step, idx + offset))
+    assert Q.shifted_seed(7, 3, 0) == 7
+
+
 def test_stochastic_rounding_is_unbiased_and_clamped():
     n = 200_000
     u = Q.uniform(1, 2, torch.arange(n))

@@ -496,3 +496,62 @@ def test_bad_inner_options_raise_and_change_nothing(kwargs, error, message):
     after = snapshot(model)
     for name, (value, flag) in before.items():
         assert torch.equal(after[name][0], value) and after[name][1] == flag, name
+
+
+def test_inner_frugal_state_is_saved_under_the_model_parameters():
+    from frugal_kernels.optim.badam import _inner_pairs
+
+    model = Toy()
+    opt = badam(model, "random", **FRUGAL_INNER)
+    run_steps(model, opt, 0, SWITCH_EVERY + 1)
+    bytes_before = opt.state_bytes()
+    sd = opt.state_dict()
+    extra = sd["param_groups"][0]["badam"]
+    # The inner FRUGAL's per-tensor state is in the entries of the block's parameters
+    # (torch.distributed.checkpoint keys them by name); its records stay in "inner_state".
+    assert extra["version"] == 3 and extra["inner_state"]["state"] == {}
+    ids = {id(p): pid for g, s in zip(opt.param_groups, sd["param_groups"])
+           for p, pid in zip(g["params"], s["params"])}
+    inner_sd = opt._inner.state_dict()
+    pairs = _inner_pairs(opt._inner, inner_sd)
+    assert any(inner_sd["state"][ipid] for _, ipid in pairs)
+    for p, ipid in pairs:
+        saved = {k[len("inner_"):]: v for k, v in sd["state"][ids[id(p)]].items()}
+        assert saved.keys() == inner_sd["state"][ipid].keys()
+        for key, value in saved.items():
+            assert torch.equal(value, inner_sd["state"][ipid][key])
+    # Saving leaves the optimizer's own state as it was.
+    assert opt.state_bytes() == bytes_before
+    assert not any(k.startswith("inner_") for st in opt.state.values() for k in st)
+
+
+def test_inner_frugal_loads_the_format_2_layout():
+    from frugal_kernels.optim.badam import _inner_pairs
+
+    steps, cut = 3 * SWITCH_EVERY + 1, SWITCH_EVERY + 1
+    model = Toy()
+    opt = badam(model, "random", **FRUGAL_INNER)
+    run_steps(model, opt, 0, steps)
+    first = Toy()
+    opt1 = badam(first, "random", **FRUGAL_INNER)
+    run_steps(first, opt1, 0, cut)
+    sd = opt1.state_dict()
+    # Format 2 kept the inner FRUGAL's per-tensor state inside "inner_state".
+    extra = sd["param_groups"][0]["badam"]
+    ids = {id(p): pid for g, s in zip(opt1.param_groups, sd["param_groups"])
+           for p, pid in zip(g["params"], s["params"])}
+    old_state = {}
+    for p, ipid in _inner_pairs(opt1._inner, extra["inner_state"]):
+        st = sd["state"][ids[id(p)]]
+        old_state[ipid] = {k[len("inner_"):]: st.pop(k) for k in list(st)
+                           if k.startswith("inner_")}
+    extra["inner_state"] = {**extra["inner_state"], "state": old_state}
+    extra["version"] = 2
+    resumed = Toy(seed=5)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = badam(resumed, "random", **FRUGAL_INNER)
+    opt2.load_state_dict(sd)
+    run_steps(resumed, opt2, cut, steps)
+    assert opt2.history == opt.history
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name

@@ -1,0 +1,255 @@
+"""``shard_quantized_``: the rows of every :class:`QuantLinear` split over a device mesh,
+beside FSDP2.
+
+FSDP2's ``fully_shard`` shards float parameters; a QuantLinear's weight is not one (its
+values are the packed integer ``codes`` and the ``scale`` buffers, its ``weight`` a
+placeholder that only carries the gradient). :func:`shard_quantized_` shards it the way
+FSDP2 shards a parameter, by rows in ``torch.chunk``'s split (``ceil(rows / ranks)``
+rows per rank, the last ranks fewer or none):
+
+- each rank keeps its block of rows of the codes (and of the scales with
+  ``scale="row"``; one scale per tensor is kept whole), and its ``weight``
+  placeholder takes the block's shape, so that its gradient, and the DQT state
+  made for it, covers the rank's rows only;
+- forward and backward all-gather the codes (and row scales) of the whole weight,
+  which are dropped again when the pass is done (FSDP2's default, reshard after
+  forward);
+- backward reduce-scatters the weight's gradient: each rank gets the mean over the
+  ranks of its rows, as FSDP2 averages its parameters' gradients;
+- :class:`frugal_kernels.DQT` steps the block, and its stochastic rounding keys
+  every element by its index in the whole weight (``QuantWeight.index_offset``):
+  a row rounds as it would in one process.
+
+The weights it returns go to ``fully_shard(..., ignored_params=...)``; FSDP2 shards
+the rest of the model (biases included) as usual. ``state_dict()`` gives the codes
+(and row scales) as DTensors of the whole weight's shape, sharded on dim 0, which
+``torch.distributed.checkpoint`` saves and reshards onto any number of ranks;
+``load_state_dict`` takes them as such DTensors, of any split, or as plain tensors of
+the whole weight (a one-process checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from frugal_kernels import ops
+from frugal_kernels._layout import row_chunk
+from frugal_kernels.nn.quant_linear import (QuantLinear, QuantWeight, _placeholder, grad_input,
+                                            grad_weight, linear_forward)
+
+__all__ = ["RowShard", "ShardedQuantLinear", "shard_quantized_"]
+
+
+@dataclass(frozen=True, eq=False)
+class RowShard:
+    """Where a rank's block of a weight's ``rows`` lies: rows ``[offset, offset + size)``,
+    over the ranks of a 1-D device ``mesh`` (its process group ``group``, of which
+    this rank is ``shard_rank`` of ``num_shards``)."""
+
+    rows: int
+    offset: int
+    size: int
+    mesh: object
+    group: object
+    num_shards: int
+    shard_rank: int
+
+    @property
+    def padded(self) -> int:
+        """Rows per rank in the collectives: every block padded to the first's size."""
+        return -(-self.rows // self.num_shards) if self.rows else 0
+
+    def gather(self, block: Tensor) -> Tensor:
+        """The whole ``[rows, ...]`` tensor of which every rank holds its block: one
+        all-gather of the blocks padded to equal size."""
+        if self.num_shards == 1:
+            return block
+        padded = block.new_zeros((self.padded, *block.shape[1:]))
+        padded[:block.shape[0]] = block
+        out = block.new_empty((self.num_shards * self.padded, *block.shape[1:]))
+        _all_gather(out, padded, self.group)
+        return out[:self.rows]
+
+    def reduce_scatter_mean(self, whole: Tensor) -> Tensor:
+        """This rank's rows of the mean over the ranks of ``whole`` (``[rows, ...]``):
+        one reduce-scatter of the padded rows, then a division by the rank count."""
+        if self.num_shards == 1:
+            return whole
+        padded = whole.new_zeros((self.num_shards * self.padded, *whole.shape[1:]))
+        padded[:self.rows] = whole
+        out = whole.new_empty((self.padded, *whole.shape[1:]))
+        # torch 2.13 names it reduce_scatter_single and deprecates reduce_scatter_tensor.
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(out, padded, group=self.group)
+        return out[:self.size].div_(self.num_shards)
+
+    def to_dtensor(self, block: Tensor, shape: Sequence[int]) -> Tensor:
+        """The DTensor of global ``shape`` (``shape[0] == rows``) whose block on this
+        rank is ``block``: sharded on dim 0 over the mesh. No communication."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = torch.Size(shape)
+        stride, step = [], 1
+        for n in reversed(shape):
+            stride.append(step)
+            step *= max(n, 1)
+        return DTensor.from_local(block, self.mesh, (Shard(0),), run_check=False, shape=shape,
+                                  stride=tuple(reversed(stride)))
+
+    def block_of(self, value: Tensor) -> Tensor:
+        """This rank's rows of ``value``, a global-form tensor of ``rows`` rows: a
+        DTensor split as this shard splits (its block), another DTensor (gathered
+        whole first: a collective) or a plain tensor of the whole."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if isinstance(value, DTensor):
+            if value.device_mesh == self.mesh and tuple(value.placements) == (Shard(0),):
+                return value.to_local()
+            value = value.full_tensor()
+        if value.dim() == 0 or value.shape[0] != self.rows:
+            return value  # the module's own check names the mismatch
+        return value.narrow(0, self.offset, self.size)
+
+
+def _all_gather(out: Tensor, block: Tensor, group: object) -> None:
+    # torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, block, group=group)
+
+
+class _ShardedQuantLinearFunction(torch.autograd.Function):
+    """``x @ W.T + b`` with the whole ``W`` gathered from the ranks' blocks of codes; the
+    gradient of the rank's ``weight`` block is its rows of the ranks' mean gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, codes: Tensor, scale: Tensor,
+                bias: Optional[Tensor], bits: int, shard: RowShard, row_scale: bool) -> Tensor:
+        whole_scale = shard.gather(scale) if row_scale else scale
+        out, x2 = linear_forward(x, shard.gather(codes), whole_scale, bias, bits)
+        ctx.save_for_backward(x2, codes, scale)
+        ctx.bits, ctx.shard, ctx.row_scale = bits, shard, row_scale
+        ctx.has_bias, ctx.shape, ctx.weight_dtype = bias is not None, x.shape, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x2, codes, scale = ctx.saved_tensors
+        shard = ctx.shard
+        g2 = grad_out.reshape(-1, shard.rows)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # The codes are gathered again rather than kept from forward (FSDP2's
+            # default: nothing of the whole weight lives between the passes).
+            whole_scale = shard.gather(scale) if ctx.row_scale else scale
+            grad_x = grad_input(g2, x2, shard.gather(codes), whole_scale,
+                                ctx.bits).reshape(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = shard.reduce_scatter_mean(grad_weight(g2, x2, ctx.weight_dtype))
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, None, None, grad_b, None, None, None
+
+
+class ShardedQuantLinear(QuantLinear):
+    """A :class:`QuantLinear` that holds one block of its rows (see the module
+    docstring); made by :func:`shard_quantized_`, which turns a QuantLinear into one
+    in place. ``out_features`` stays the whole layer's; ``codes``, the ``scale`` of
+    ``scale="row"`` and the ``weight`` placeholder have ``shard.size`` rows."""
+
+    shard: RowShard
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear: input of shape {tuple(x.shape)} for "
+                             f"in_features={self.in_features}")
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return _ShardedQuantLinearFunction.apply(x, self.weight, self.codes, self.scale, bias,
+                                                 self.bits, self.shard,
+                                                 self.scale_mode == "row")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The whole weight ``s * q`` (a collective: the codes are gathered)."""
+        scale = self.shard.gather(self.scale) if self.scale_mode == "row" else self.scale
+        return ops.dequantize(self.shard.gather(self.codes), scale, bits=self.bits,
+                              cols=self.in_features, dtype=dtype)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # The global form: what one process would save, as DTensors of the whole shape.
+        for name in self._sharded_buffers():
+            block = destination[prefix + name]
+            destination[prefix + name] = self.shard.to_dtensor(
+                block, (self.shard.rows, *block.shape[1:]))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        state_dict = dict(state_dict)
+        for name in self._sharded_buffers():
+            value = state_dict.get(prefix + name)
+            if isinstance(value, Tensor):
+                state_dict[prefix + name] = self.shard.block_of(value)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _sharded_buffers(self) -> List[str]:
+        return ["codes", "scale"] if self.scale_mode == "row" else ["codes"]
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, rows={self.shard.offset}.."
+                f"{self.shard.offset + self.shard.size} of {self.shard.num_shards} shards")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a ShardedQuantLinear holds one rank's rows: copy the model before "
+                        "shard_quantized_, or save and load its state dict")
+
+
+def shard_quantized_(model: nn.Module, mesh) -> List[QuantWeight]:
+    """Split the rows of every :class:`QuantLinear` of ``model`` over ``mesh``, in place
+    (each becomes a :class:`ShardedQuantLinear`; see the module docstring), and return
+    their ``weight`` placeholders, for ``fully_shard(..., ignored_params=set(...))``.
+
+    ``mesh`` is a 1-D ``DeviceMesh`` (FSDP2's data-parallel mesh); every rank calls
+    this with the same model. Build the optimizer afterwards, from the model's new
+    parameters, and call it before ``fully_shard``::
+
+        frugal_kernels.quantize_(model, bits=4)
+        weights = frugal_kernels.nn.shard_quantized_(model, mesh)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=set(weights))
+        fully_shard(model, mesh=mesh, ignored_params=set(weights))
+        opt = frugal_kernels.DQT(model.parameters(), lr=1e-3)
+    """
+    if getattr(mesh, "ndim", None) != 1:
+        raise ValueError("shard_quantized_ takes a 1-D DeviceMesh (the ranks that shard the "
+                         f"rows); got {mesh!r}")
+    group = mesh.get_group(0)
+    num_shards, shard_rank = mesh.size(0), mesh.get_local_rank(0)
+    weights = []
+    for name, module in model.named_modules():
+        if isinstance(module, ShardedQuantLinear):
+            raise ValueError(f"shard_quantized_: {name} is sharded already")
+        if type(module) is not QuantLinear:
+            continue
+        rows = module.out_features
+        offset, size = row_chunk(rows, num_shards, shard_rank)
+        old = module.weight
+        weight = QuantWeight(_placeholder(size, module.in_features, old.dtype, old.device),
+                             module)
+        weight.requires_grad_(old.requires_grad)
+        with torch.no_grad():
+            module.codes = module.codes.narrow(0, offset, size).clone()
+            if module.scale_mode == "row":
+                module.scale = module.scale.narrow(0, offset, size).clone()
+        module._parameters["weight"] = weight
+        module.__class__ = ShardedQuantLinear
+        module.shard = RowShard(rows, offset, size, mesh, group, num_shards, shard_rank)
+        module.first_row = offset
+        weights.append(weight)
+    return weights
