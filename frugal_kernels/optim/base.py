@@ -33,7 +33,7 @@ from frugal_kernels.optim.projections import Projection
 from frugal_kernels.optim.sharding import ShardLayout
 
 __all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "check_adamw_options", "check_int",
-           "check_number"]
+           "check_nonfinite", "check_number", "first_nonfinite", "skip_flag"]
 
 _ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -62,9 +62,7 @@ class FusedOptimizer(Optimizer):
         if backend != "auto" and backend not in ops.BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
                              f"got {backend!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; "
-                             f"got {nonfinite!r}")
+        check_nonfinite(nonfinite)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.backend = backend
@@ -242,32 +240,8 @@ class FusedOptimizer(Optimizer):
         return self._plan, grads, getattr(self, "grad_scale", None), found_inf
 
     def _skip_flag(self, with_grads: List[Tuple[int, int, Tensor]]) -> Optional[Tensor]:
-        """The step's found_inf: a one-element tensor, non-zero when the step must be
-        skipped, decided on the device (None: nothing to skip). A GradScaler's own
-        flag, else, under nonfinite="skip", one fused read of the gradients.
-        nonfinite="raise" reads the flag here (its one host sync) and raises."""
-        flag = getattr(self, "found_inf", None)
-        own = flag is None and self.nonfinite != "propagate" and bool(with_grads)
-        if own:
-            flag = _nonfinite_flag(with_grads)
-        elif flag is not None:
-            # GradScaler sums the flags of its devices: a count, where the step
-            # counts must lose exactly one.
-            flag = flag.detach().reshape(1).clamp(max=1.0)
-        if flag is not None and self._layouts:
-            # Under FSDP2 each rank sees its own rows of the gradients: the ranks decide
-            # together, or one would skip a step the others take and their states part.
-            sharding.max_over_ranks_(flag, self._shard_groups())
-        if own and self.nonfinite == "raise":
-            if bool(flag):  # the documented host sync of nonfinite="raise"
-                bad = next((item for item in with_grads
-                            if not bool(sharding.local(item[2].grad).isfinite().all())), None)
-                where = "a parameter's rows on another rank" if bad is None else \
-                    _param_name(*bad)
-                raise ValueError(f"{where} has a non-finite gradient (NaN or inf); "
-                                 "the step was not applied (nonfinite='raise')")
-            return None
-        return flag
+        return skip_flag(getattr(self, "found_inf", None), self.nonfinite, with_grads,
+                         self._shard_groups() if self._layouts else [])
 
     @torch._dynamo.disable
     def _uncount_skipped(self, found_inf: Optional[Tensor]) -> None:
@@ -280,11 +254,7 @@ class FusedOptimizer(Optimizer):
 
     def _shard_groups(self) -> List[Any]:
         """The process groups the DTensor parameters are sharded over, once each."""
-        groups = []
-        for layout in self._layouts.values():
-            if layout.group is not None and all(layout.group is not g for g in groups):
-                groups.append(layout.group)
-        return groups
+        return sharding.process_groups(self._layouts.values())
 
     def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]]]:
         """Every per-step check, before anything changes: the groups' options (lr
@@ -418,7 +388,7 @@ class FusedOptimizer(Optimizer):
             _refuse_gradient(gi, i, p)
         # The ordinary step's check, which makes no temporary the size of the gradient (a
         # bool mask of each was seen to raise a LLaMA-20m step's high-water mark by 50 MB).
-        if self.nonfinite == "raise" and _first_nonfinite([(gi, i, p)]) is not None:
+        if self.nonfinite == "raise" and first_nonfinite([(gi, i, p)]) is not None:
             raise ValueError(f"{_param_name(gi, i, p)} has a non-finite gradient (NaN or inf); "
                              "its update was not applied (nonfinite='raise'); the tensors "
                              "stepped before it in this backward keep theirs")
@@ -616,6 +586,40 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
                          "tensors")
 
 
+def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
+              with_grads: List[Tuple[int, int, Tensor]], shard_groups: List[Any]
+              ) -> Optional[Tensor]:
+    """A step's found_inf: a one-element tensor, non-zero when the step must be skipped,
+    decided on the device (None: nothing to skip). ``found_inf`` is a GradScaler's flag,
+    used as it is (the scaler computed it over these gradients); without one, under
+    ``nonfinite="skip"``, one fused read of the gradients of ``with_grads`` ((group
+    index, index, tensor) triples). Over the ranks of ``shard_groups`` (FSDP2) the
+    flag is their maximum. ``nonfinite="raise"`` reads the flag here (its one host
+    sync) and raises a ValueError naming the parameter."""
+    own = found_inf is None and nonfinite != "propagate" and bool(with_grads)
+    if own:
+        flag = _nonfinite_flag(with_grads)
+    elif found_inf is not None:
+        # GradScaler sums the flags of its devices: a count, where the step counts
+        # must lose exactly one.
+        flag = found_inf.detach().reshape(1).clamp(max=1.0)
+    else:
+        return None
+    if shard_groups:
+        # Each rank sees its own rows of the gradients: the ranks decide together, or
+        # one would skip a step the others take and their states would part.
+        sharding.max_over_ranks_(flag, shard_groups)
+    if own and nonfinite == "raise":
+        if bool(flag):  # the documented host sync of nonfinite="raise"
+            bad = next((item for item in with_grads
+                        if not bool(sharding.local(item[2].grad).isfinite().all())), None)
+            where = "a parameter's rows on another rank" if bad is None else _param_name(*bad)
+            raise ValueError(f"{where} has a non-finite gradient (NaN or inf); "
+                             "the step was not applied (nonfinite='raise')")
+        return None
+    return flag
+
+
 def _nonfinite_flag(with_grads: List[Tuple[int, int, Tensor]]) -> Tensor:
     """A one-element float32 tensor on the first gradient's device: 1 when a gradient of
     ``with_grads`` ((group index, index, tensor) triples) holds a NaN or an infinity,
@@ -639,7 +643,7 @@ def _nonfinite_flag(with_grads: List[Tuple[int, int, Tensor]]) -> Tensor:
     return flag
 
 
-def _first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
+def first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
                      ) -> Optional[Tuple[int, int, Tensor]]:
     """The first (group index, index, tensor) whose gradient holds a NaN or an infinity
     (a host sync: for nonfinite="raise", which names it)."""
@@ -647,6 +651,12 @@ def _first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
         return None
     return next(item for item in with_grads
                 if not bool(sharding.local(item[2].grad).isfinite().all()))
+
+
+def check_nonfinite(nonfinite: Any) -> None:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; "
+                         f"got {nonfinite!r}")
 
 
 def check_int(value: Any, name: str, low: int = 1, where: str = "") -> None:

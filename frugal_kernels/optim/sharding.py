@@ -36,7 +36,7 @@ from torch import Tensor
 from frugal_kernels._layout import LEFT, lowrank_side
 
 __all__ = ["ShardLayout", "layout_of", "local", "is_sharded", "sharded_entry", "chunk",
-           "max_over_ranks_"]
+           "max_over_ranks_", "process_groups"]
 
 # State entries that are sharded on dim 0 in the global form when their parameter
 # is: the moments (of every kind) and BAdam's master copy. A left-side projection
@@ -248,6 +248,15 @@ def layout_of(p: Tensor, name: str) -> Optional[ShardLayout]:
                          f"split of {rows} rows over {num_shards} ranks gives {size}")
     return ShardLayout(p.shape, offset, size, mesh, placements, mesh.get_group(mesh_dim),
                        num_shards, shard_rank)
+
+
+def process_groups(layouts: Iterable["ShardLayout"]) -> List[object]:
+    """The process groups ``layouts`` are sharded over, once each."""
+    groups: List[object] = []
+    for layout in layouts:
+        if layout.group is not None and all(layout.group is not g for g in groups):
+            groups.append(layout.group)
+    return groups
 
 
 def max_over_ranks_(flag: Tensor, groups: Iterable[object]) -> Tensor:
