@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import frugal_kernels as fk
+from frugal_kernels._layout import RIGHT, lowrank_side
 from frugal_kernels.optim import frugal, subspace
 
 from .helpers import HYPER, grad_sequence, groups, make_params, set_grads
@@ -465,6 +466,29 @@ def test_a_nonfinite_gradient_skips_the_step_by_default(kind, projection, value,
         set_grads(twin_params, g)
         twin.step()
     _assert_same(_snapshot(twin, twin_params), _snapshot(opt, params))
+
+
+@pytest.mark.parametrize("value", NONFINITE)
+def test_an_svd_subspace_chosen_at_a_skipped_step_ignores_the_nonfinite_entries(value):
+    """A skipped step still changes subspaces (the host never learns of the skip): svd's
+    is that of the gradient with its NaN / inf entries as 0, finite, so the steps that
+    use it until the next change are not poisoned (torch's svd would fail or give NaN)."""
+    opt, params = _make("FRUGAL", "svd")  # update_gap=2: changes at steps 1 and 3
+    _steps(opt, params, 2)
+    grads = _bad_grads(params, value, 0)
+    set_grads(params, grads)
+    opt.step()
+    assert opt.history[-1]["step"] == 3
+    proj = opt.state[params[0]]["projection"]
+    side = lowrank_side(params[0].shape)
+    rank = proj.shape[0] if side == RIGHT else proj.shape[1]
+    clean = grads[0].clone()
+    clean.view(-1)[1] = 0.0
+    assert torch.equal(proj, subspace.make_projection("svd", clean, rank, opt._generator))
+    _steps(opt, params, 1, seed=6)
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(torch.isfinite(v).all() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
 @pytest.mark.parametrize("kind", KINDS)
