@@ -268,17 +268,20 @@ class BAdam(torch.optim.Optimizer):
                 loss = closure()
         group = self.param_groups[self.active_block_index]
         grad_scale = getattr(self, "grad_scale", None)
-        self._count_step()
         if self._inner is not None:
+            # Counted once the inner step is through: one that raises changes nothing.
             self._step_inner(group, grad_scale, getattr(self, "found_inf", None))
+            self._count_step()
         else:
             params = [p for p in group["params"] if p.grad is not None]
+            gi = self.active_block_index
+            # Before anything is counted: under nonfinite="raise" this may raise.
+            found_inf = skip_flag(
+                getattr(self, "found_inf", None), self.nonfinite,
+                [(gi, i, p) for i, p in enumerate(group["params"]) if p.grad is not None],
+                sharding.process_groups(self._layouts.values()) if self._layouts else [])
+            self._count_step()
             if params:
-                gi = self.active_block_index
-                found_inf = skip_flag(
-                    getattr(self, "found_inf", None), self.nonfinite,
-                    [(gi, i, p) for i, p in enumerate(group["params"]) if p.grad is not None],
-                    sharding.process_groups(self._layouts.values()) if self._layouts else [])
                 self._count_update(params[0].device)
                 self._update(group, params, grad_scale, found_inf)
                 if found_inf is not None:

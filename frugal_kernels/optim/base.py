@@ -611,8 +611,7 @@ def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
         sharding.max_over_ranks_(flag, shard_groups)
     if own and nonfinite == "raise":
         if bool(flag):  # the documented host sync of nonfinite="raise"
-            bad = next((item for item in with_grads
-                        if not bool(sharding.local(item[2].grad).isfinite().all())), None)
+            bad = _named_nonfinite(with_grads)
             where = "a parameter's rows on another rank" if bad is None else _param_name(*bad)
             raise ValueError(f"{where} has a non-finite gradient (NaN or inf); "
                              "the step was not applied (nonfinite='raise')")
@@ -644,13 +643,20 @@ def _nonfinite_flag(with_grads: List[Tuple[int, int, Tensor]]) -> Tensor:
 
 
 def first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
-                     ) -> Optional[Tuple[int, int, Tensor]]:
+                    ) -> Optional[Tuple[int, int, Tensor]]:
     """The first (group index, index, tensor) whose gradient holds a NaN or an infinity
     (a host sync: for nonfinite="raise", which names it)."""
     if not bool(_nonfinite_flag(with_grads)):
         return None
-    return next(item for item in with_grads
-                if not bool(sharding.local(item[2].grad).isfinite().all()))
+    return _named_nonfinite(with_grads)
+
+
+def _named_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
+                     ) -> Optional[Tuple[int, int, Tensor]]:
+    """The first item whose (local) gradient is not finite, by a second pass over them
+    (run only once a flag said one is there; None: it is on another rank)."""
+    return next((item for item in with_grads
+                 if not bool(sharding.local(item[2].grad).isfinite().all())), None)
 
 
 def check_nonfinite(nonfinite: Any) -> None:

@@ -371,6 +371,34 @@ def test_grad_scaler_found_inf_skips_the_update_while_the_schedule_counts_the_ca
     assert opt.active_block == opt.block_names[1]  # SWITCH_EVERY calls: the switch
 
 
+@pytest.mark.parametrize("inner", ["adamw", "frugal"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_policies(inner, value):
+    """skip (default): the update is skipped and the call counted; raise: a ValueError
+    naming the tensor, nothing changed, the call not counted; propagate: applied."""
+    options = FRUGAL_INNER if inner == "frugal" else {}
+    results = {}
+    for policy in ("skip", "raise", "propagate"):
+        model = Toy()
+        opt = badam(model, "ascending", nonfinite=policy, **options)
+        model.loss(0).backward()
+        opt.step()
+        opt.zero_grad()
+        model.loss(1).backward()
+        weight = model.model.embed_tokens.weight
+        weight.grad.view(-1)[3] = value
+        before = snapshot(model)
+        steps = opt.state_dict()["param_groups"][0]["badam"]["steps_taken"]
+        if policy == "raise":
+            with pytest.raises(ValueError, match="non-finite gradient"):
+                opt.step()
+        else:
+            opt.step()
+        results[policy] = (all(torch.equal(p, before[n][0]) for n, p in model.named_parameters()),
+                           opt.state_dict()["param_groups"][0]["badam"]["steps_taken"] - steps)
+    assert results == {"skip": (True, 1), "raise": (True, 0), "propagate": (False, 1)}
+
+
 def test_closure_and_governor():
     model = Toy()
     opt = badam(model, "ascending")
