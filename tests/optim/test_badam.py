@@ -261,6 +261,40 @@ def test_resume_is_bit_identical(mode):
         assert torch.equal(p, q), name
 
 
+def test_resume_after_a_skipped_step_keeps_the_count_of_applied_updates():
+    """block_updates travels in the state dict: a skipped step (found_inf) before the cut
+    resumes exactly; a state dict saved before block_updates existed takes block_steps,
+    and a count beyond block_steps is refused."""
+    model, first = Toy(), Toy()
+    opt, opt1 = badam(model, "ascending"), badam(first, "ascending")
+    for m, o in ((model, opt), (first, opt1)):
+        run_steps(m, o, 0, 1)
+        m.loss(1).backward()
+        o.found_inf = torch.ones(())
+        o.step()
+        del o.found_inf
+        o.zero_grad()
+    saved = opt1.state_dict()
+    assert saved["param_groups"][0]["badam"]["block_updates"] == 1.0
+    assert saved["param_groups"][0]["badam"]["block_steps"] == 2
+    resumed = copy.deepcopy(first)
+    opt2 = badam(resumed, "ascending")
+    opt2.load_state_dict(saved)
+    run_steps(model, opt, 2, 2 * SWITCH_EVERY)
+    run_steps(resumed, opt2, 2, 2 * SWITCH_EVERY)
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    too_many = copy.deepcopy(saved)
+    too_many["param_groups"][0]["badam"]["block_updates"] = 3.0
+    with pytest.raises(ValueError, match="block_updates 3.0 is not a count"):
+        badam(Toy(), "ascending").load_state_dict(too_many)
+    older = copy.deepcopy(saved)
+    del older["param_groups"][0]["badam"]["block_updates"]
+    opt3 = badam(Toy(), "ascending")
+    opt3.load_state_dict(older)
+    assert opt3.state_dict()["param_groups"][0]["badam"]["block_updates"] == 2.0
+
+
 def test_bad_state_dict_raises_and_changes_nothing():
     model = Toy()
     opt = badam(model, "ascending")
