@@ -61,8 +61,8 @@ class OptimizerInfo:
     # Optimizers whose groups are fixed refuse add_param_group with a ValueError
     # matching this (None: a new group is accepted and stepped).
     add_param_group_refused: Optional[str] = None
-    # Options a step in backward (frugal_kernels.step_in_backward) needs: FRUGAL's
-    # default nonfinite="skip" needs every gradient before the first update.
+    # Options a step in backward (frugal_kernels.step_in_backward) needs: the default
+    # nonfinite="skip" needs every gradient before the first update.
     in_backward_options: dict = field(default_factory=dict)
 
     def moved(self, opt, params) -> List[torch.nn.Parameter]:
@@ -189,14 +189,16 @@ OPTIMIZERS = OPTIMIZERS + tuple(
     OptimizerInfo(name=f"BAdam-{mode}", make_model=_layered_model, factory=_badam(mode),
                   resumed_attributes=("history", "active_block"),
                   trained=lambda opt: opt.param_groups[opt.active_block_index]["params"],
-                  add_param_group_refused="param groups are its blocks")
+                  add_param_group_refused="param groups are its blocks",
+                  in_backward_options=_IN_BACKWARD)
     for mode in ("random", "ascending", "descending", "fixed")) + (
     OptimizerInfo(name="BAdam-frugal", make_model=_layered_model,
                   factory=_badam("random", inner="frugal", density=0.5, projection="columns",
                                  update_gap=3),
                   resumed_attributes=("history", "active_block"),
                   trained=lambda opt: opt.param_groups[opt.active_block_index]["params"],
-                  add_param_group_refused="param groups are its blocks"),
+                  add_param_group_refused="param groups are its blocks",
+                  in_backward_options=_IN_BACKWARD),
 )
 
 

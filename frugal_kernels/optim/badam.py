@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from frugal_kernels import ops
 from frugal_kernels.optim import sharding
+from frugal_kernels.optim.base import check_nonfinite, first_nonfinite, skip_flag
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.memory import release_freed_memory
 
@@ -98,8 +99,11 @@ class BAdam(torch.optim.Optimizer):
             group, and the FRUGAL options given as keywords (``density``,
             ``projection``, ``update_gap``, ``state_free``, ``state_free_lr_scale``,
             ``reset_state``, ``block_order``). Its parameters are updated in their own
-            dtype (FRUGAL keeps no master copy), and a non-finite gradient propagates
-            as with ``inner="adamw"``.
+            dtype (FRUGAL keeps no master copy); it takes BAdam's ``nonfinite``.
+        nonfinite: what a step does when a gradient of the active block holds a NaN
+            or an infinity: ``"skip"`` (default; decided on the device, no host
+            sync), ``"raise"`` (one host sync per step) or ``"propagate"``, as for
+            :class:`frugal_kernels.FRUGAL` (see :meth:`step`).
 
     bf16 / fp16 parameters get an fp32 master copy for the active block only
     (``state["master"]``, 4 bytes per active parameter beside the 8 of the moments,
@@ -138,10 +142,12 @@ class BAdam(torch.optim.Optimizer):
         seed: int = 0,
         backend: str = "auto",
         inner: str = "adamw",
+        nonfinite: str = "skip",
         **frugal_options: Any,
     ):
         # Everything is checked before any parameter is touched.
         _check_switch_every(switch_every)
+        check_nonfinite(nonfinite)
         _check_inner(inner, frugal_options, lr, betas, eps, weight_decay, backend)
         if switch_mode not in SWITCH_MODES:
             raise ValueError(f"switch_mode must be one of {', '.join(SWITCH_MODES)}; "
@@ -162,12 +168,17 @@ class BAdam(torch.optim.Optimizer):
         self.block_names: List[str] = names
         self.switch_mode = switch_mode
         self.backend = backend
+        self.nonfinite = nonfinite
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
         self._fixed_order = fixed
         self._switch_every = switch_every
         self._steps_taken = 0
-        self._block_steps = 0  # steps of the active block since its switch
+        self._block_steps = 0  # step() calls since the switch: the schedule's count
+        # Updates applied to the active block (inner="adamw"): its bias-correction step,
+        # a float32 tensor on the block's device, where a skipped step's flag is
+        # subtracted from it without a host sync (None until the block's first update).
+        self._block_updates: Optional[Tensor] = None
         self._epoch: List[int] = []  # block order of the current pass over the blocks
         self._cursor = 0  # position of the active block in _epoch
         self.history: List[dict] = []
@@ -247,31 +258,56 @@ class BAdam(torch.optim.Optimizer):
         steps are done (before the next forward, so that backward already skips the
         block that stopped). ``closure`` re-evaluates the model and returns the loss.
 
-        Driven by a GradScaler (``found_inf`` set and non-zero) the step is skipped
-        and nothing changes, the schedule included; ``grad_scale`` is divided out of
-        the gradients by the fused op as it reads them otherwise (they stay scaled).
+        A non-finite gradient in the active block follows ``nonfinite``: under
+        ``"skip"`` one fused read of the block's gradients sets a flag on the
+        device that the fused op takes as ``found_inf``, so the block's params,
+        moments and bias-correction count stay bit-identical without a host sync.
+        Driven by a GradScaler, its ``found_inf`` is that flag and its
+        ``grad_scale`` is divided out of the gradients by the fused op as it reads
+        them (they stay scaled). The host never learns whether a step was skipped:
+        the schedule (``switch_every``, the block order) counts calls of ``step()``,
+        and a switch due at a skipped step happens (docs/optimizers.md, "Skipped
+        steps and schedules").
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and bool(found_inf.item()):
-            return loss
         group = self.param_groups[self.active_block_index]
-        params = [p for p in group["params"] if p.grad is not None]
         grad_scale = getattr(self, "grad_scale", None)
-        self._count_step()
         if self._inner is not None:
-            self._step_inner(group, grad_scale)
-        elif params:
-            self._update(group, params, grad_scale)
+            # Counted once the inner step is through: one that raises changes nothing.
+            self._step_inner(group, grad_scale, getattr(self, "found_inf", None))
+            self._count_step()
+        else:
+            params = [p for p in group["params"] if p.grad is not None]
+            gi = self.active_block_index
+            # Before anything is counted: under nonfinite="raise" this may raise.
+            found_inf = skip_flag(
+                getattr(self, "found_inf", None), self.nonfinite,
+                [(gi, i, p) for i, p in enumerate(group["params"]) if p.grad is not None],
+                sharding.process_groups(self._layouts.values()) if self._layouts else [])
+            self._count_step()
+            if params:
+                self._count_update(params[0].device)
+                self._update(group, params, grad_scale, found_inf)
+                if found_inf is not None:
+                    # Queued after the update: a skipped step takes its count back.
+                    counts = self._block_updates
+                    counts.sub_(found_inf.to(counts.device).reshape(()))
         self._switch_if_due()
         return loss
 
     def _count_step(self) -> None:
         self._steps_taken += 1
         self._block_steps += 1
+
+    def _count_update(self, device: torch.device) -> None:
+        """Count an update of the active block (the count after it, as the fused op's
+        ``step`` takes it), on ``device`` when the count is new."""
+        if self._block_updates is None:
+            self._block_updates = torch.zeros((), dtype=torch.float32, device=device)
+        self._block_updates.add_(1.0)
 
     def _switch_if_due(self) -> None:
         if self._block_steps >= self._switch_every:
@@ -283,11 +319,20 @@ class BAdam(torch.optim.Optimizer):
     # the pieces of step(); the switch comes once backward is done.
 
     def _tensor_steps_refused(self) -> Optional[str]:
+        if self.nonfinite == "skip":
+            return ("nonfinite='skip' skips the whole step when any gradient is non-finite, "
+                    "which needs every gradient before the first tensor is updated; build it "
+                    "with nonfinite='raise' (a non-finite gradient raises from backward, "
+                    "naming its parameter; the tensors stepped before it keep their update) "
+                    "or nonfinite='propagate'")
         return None
 
     def _begin_tensor_steps(self) -> None:
         self._count_step()
-        if self._inner is not None:
+        if self._inner is None:
+            params = self.param_groups[self.active_block_index]["params"]
+            self._count_update(params[0].device)
+        else:
             self._sync_inner(self.param_groups[self.active_block_index])
             self._inner._begin_tensor_steps()
 
@@ -297,8 +342,16 @@ class BAdam(torch.optim.Optimizer):
             return  # outside the active block: step() leaves it alone too
         if self._inner is not None:
             self._inner._step_tensor(p)
-        else:
-            self._update(group, [p], None)
+            return
+        if self.nonfinite == "raise":
+            i = next(i for i, q in enumerate(group["params"]) if q is p)
+            if first_nonfinite([(self.active_block_index, i, p)]) is not None:
+                raise ValueError(
+                    f"params[{i}] of block {group['block']!r} (shape {tuple(p.shape)}) has a "
+                    "non-finite gradient (NaN or inf); its update was not applied "
+                    "(nonfinite='raise'); the tensors stepped before it in this backward "
+                    "keep theirs")
+        self._update(group, [p], None, None)
 
     def _end_tensor_steps(self) -> None:
         if self._inner is not None:
@@ -307,12 +360,14 @@ class BAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ update
 
-    def _update(self, group: dict, params: List[Tensor], grad_scale: Optional[Tensor]) -> None:
+    def _update(self, group: dict, params: List[Tensor], grad_scale: Optional[Tensor],
+                found_inf: Optional[Tensor]) -> None:
         beta1, beta2 = group["betas"]
+        counts = self._block_updates
         by_kind: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = defaultdict(list)
         for p in params:
             by_kind[(p.dtype, p.device)].append(p)
-        for (dtype, _), ps in by_kind.items():
+        for (dtype, device), ps in by_kind.items():
             states = [self._state_of(p) for p in ps]
             # A DTensor is stepped through its local block (a view of its storage).
             grads = [sharding.local(p.grad) for p in ps]
@@ -325,7 +380,9 @@ class BAdam(torch.optim.Optimizer):
             ops.adamw_(targets, grads, [st["exp_avg"] for st in states],
                        [st["exp_avg_sq"] for st in states], lr=group["lr"], beta1=beta1,
                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                       step=self._block_steps, grad_scale=grad_scale, backend=self.backend)
+                       step=_on(counts, device),
+                       grad_scale=grad_scale,
+                       found_inf=_on(found_inf, device), backend=self.backend)
             if dtype != torch.float32:
                 torch._foreach_copy_(ps, targets)
 
@@ -335,14 +392,16 @@ class BAdam(torch.optim.Optimizer):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 inner_group[key] = group[key]
 
-    def _step_inner(self, group: dict, grad_scale: Optional[Tensor]) -> None:
+    def _step_inner(self, group: dict, grad_scale: Optional[Tensor],
+                    found_inf: Optional[Tensor]) -> None:
         self._sync_inner(group)
-        # The scale reaches the inner FRUGAL's ops as a GradScaler's would.
-        self._inner.grad_scale = grad_scale
+        # GradScaler's tensors reach the inner FRUGAL's ops as a GradScaler's would;
+        # without them it checks the gradients itself (it has BAdam's nonfinite).
+        self._inner.grad_scale, self._inner.found_inf = grad_scale, found_inf
         try:
             self._inner.step()
         finally:
-            del self._inner.grad_scale
+            del self._inner.grad_scale, self._inner.found_inf
 
     def _make_inner(self, index: int) -> FRUGAL:
         """The FRUGAL of block ``index``, seeded by BAdam's seed and the step it starts at."""
@@ -353,7 +412,7 @@ class BAdam(torch.optim.Optimizer):
                  ([{"params": others, "projected": False}] if others else [])
         return FRUGAL(groups, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                       weight_decay=group["weight_decay"], backend=self.backend,
-                      nonfinite="propagate", seed=_inner_seed(self.seed, self._steps_taken),
+                      nonfinite=self.nonfinite, seed=_inner_seed(self.seed, self._steps_taken),
                       **self._frugal_options)
 
     def _state_of(self, p: Tensor) -> dict:
@@ -390,6 +449,7 @@ class BAdam(torch.optim.Optimizer):
             self._epoch = self._new_epoch()
             self._cursor = 0
         self._block_steps = 0
+        self._block_updates = None
         self._activate(self.active_block_index)
         self.history.append({"step": self._steps_taken, "block": self.active_block,
                              "reason": reason})
@@ -445,6 +505,8 @@ class BAdam(torch.optim.Optimizer):
             "cursor": self._cursor,
             "steps_taken": self._steps_taken,
             "block_steps": self._block_steps,
+            # A host read of the count (a sync, at a checkpoint only).
+            "block_updates": 0.0 if self._block_updates is None else float(self._block_updates),
             "switch_every": self._switch_every,
             "generator": self._generator.get_state(),
             "history": [[[k, v] for k, v in h.items()] for h in self.history],
@@ -492,6 +554,12 @@ class BAdam(torch.optim.Optimizer):
             raise ValueError(f"the state dict's block order {epoch} (position {cursor}) is not "
                              f"an order of this optimizer's blocks {sorted(blocks_of_epoch)}")
         _check_switch_every(extra["switch_every"])
+        # Saved before block_updates existed: every step of the block was applied.
+        updates = extra.get("block_updates", extra["block_steps"])
+        if isinstance(updates, bool) or not isinstance(updates, (int, float)) or \
+                not (math.isfinite(updates) and 0 <= updates <= extra["block_steps"]):
+            raise ValueError(f"the state dict's block_updates {updates!r} is not a count of "
+                             f"at most block_steps ({extra['block_steps']!r})")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != n:
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, this "
@@ -553,6 +621,9 @@ class BAdam(torch.optim.Optimizer):
         self._epoch, self._cursor = epoch, cursor
         self._steps_taken = int(extra["steps_taken"])
         self._block_steps = int(extra["block_steps"])
+        self._block_updates = None if not updates else torch.tensor(
+            float(updates), dtype=torch.float32,
+            device=self.param_groups[active]["params"][0].device)
         self._switch_every = int(extra["switch_every"])
         self._generator = generator
         self.history = [dict(h) for h in extra["history"]]
@@ -573,6 +644,11 @@ def _inner_pairs(inner: FRUGAL, inner_state: dict) -> List[Tuple[Tensor, Any]]:
     params = [p for g in inner.param_groups for p in g["params"]]
     ids = [pid for g in inner_state["param_groups"] for pid in g["params"]]
     return list(zip(params, ids))
+
+
+def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """``t`` on ``device`` (a copy only when it lives elsewhere)."""
+    return t if t is None or t.device == device else t.to(device)
 
 
 def _saved_extra(state_dict: dict) -> dict:

@@ -33,7 +33,7 @@ from frugal_kernels.optim.projections import Projection
 from frugal_kernels.optim.sharding import ShardLayout
 
 __all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "check_adamw_options", "check_int",
-           "check_number"]
+           "check_nonfinite", "check_number", "first_nonfinite", "skip_flag"]
 
 _ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -62,9 +62,7 @@ class FusedOptimizer(Optimizer):
         if backend != "auto" and backend not in ops.BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
                              f"got {backend!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; "
-                             f"got {nonfinite!r}")
+        check_nonfinite(nonfinite)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.backend = backend
@@ -75,7 +73,8 @@ class FusedOptimizer(Optimizer):
         self._plan: Optional[List[Bucket]] = None
         self._plan_key: Optional[tuple] = None
         self._lr_tensors: Dict[int, Tensor] = {}
-        self._steps: Optional[Tensor] = None
+        # The plan's bias-correction step counts, one packed tensor per device.
+        self._steps: Dict[torch.device, Tensor] = {}
         self._steps_plan: Optional[List[Bucket]] = None  # the plan self._steps counts for
         # While _begin_tensor_steps chooses subspaces: the gradients are still to come.
         self._grads_arriving = False
@@ -164,35 +163,47 @@ class FusedOptimizer(Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """One optimization step (``closure`` re-evaluates the model and returns the loss).
 
-        When driven by a GradScaler (``optimizer.found_inf`` set and non-zero)
-        the step is skipped and nothing changes, schedules included.
-
         A step is atomic: it checks everything it will touch (every group's
         options and lr, every gradient against its parameter) before it changes
         anything, and a step that raises leaves params, state, step counts,
         subspaces, the generator and ``history`` as they were.
 
         Non-finite gradients (NaN, +inf, -inf) follow ``self.nonfinite``:
-        ``"skip"`` skips the whole step (nothing changes, as a GradScaler's
-        skip), ``"raise"`` raises a ValueError naming the parameter (nothing
-        changes), ``"propagate"`` applies the step as the math says (NaN and
-        inf reach the params and moments). ``"skip"`` and ``"raise"`` cost one
-        pass reading the gradients (the max-norm of each, on its device) and
-        one host sync per device per step; a step driven by a GradScaler uses
-        the scaler's ``found_inf`` instead and pays nothing more.
+
+        - ``"skip"`` (default): the step is skipped *on the device*. One fused
+          read of the gradients sets a flag tensor, which every op call of the
+          step takes as ``found_inf`` (GradScaler's convention): params, moments
+          and the bias-correction step counts are left bit-identical, and the
+          host never reads the flag (no sync; under FSDP2 the ranks agree
+          through a device-side max all-reduce of it).
+        - ``"raise"``: the same flag is read on the host (one sync per step) and
+          a ValueError names the parameter; nothing changes.
+        - ``"propagate"``: the step is applied as the math says (NaN and inf
+          reach the params and moments).
+
+        Driven by a GradScaler (``optimizer.grad_scale`` / ``found_inf`` set),
+        the scaler's ``found_inf`` is the flag (it was computed over these
+        gradients: no second read) and its scale is divided out inside the ops.
+
+        Since the host never learns whether a step was skipped, schedules count
+        calls of ``step()``, not applied steps: ``update_gap``, AdaFRUGAL's rho
+        and T, the subspace choices and the generator advance at a skipped step
+        too, and a subspace change due at that step happens (docs/optimizers.md,
+        "Skipped steps and schedules"). The bias-correction step counts of the
+        moments (``state["step"]``) count applied steps only.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         prepared = self._prepare_step()
-        if prepared is not None:
-            self._apply(*prepared)
+        self._apply(*prepared)
+        self._uncount_skipped(prepared[3])
         return loss
 
     @torch._dynamo.disable
-    def _prepare_step(self) -> Optional[Tuple[List[Bucket], List[List[Tensor]],
-                                              Optional[Tensor]]]:
+    def _prepare_step(self) -> Tuple[List[Bucket], List[List[Tensor]], Optional[Tensor],
+                                     Optional[Tensor]]:
         """Everything but the update: AMP checks, counters, subspace changes and
         the plan of op calls, with each bucket's gradients. Kept out of
         torch.compile's graphs: it is Python bookkeeping and random draws, and
@@ -201,28 +212,9 @@ class FusedOptimizer(Optimizer):
         rather than read from ``p.grad`` in the graph: a graph that reads them
         from the parameters is tied to the gradient tensors themselves, and a
         backward pass makes new ones each step."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and bool(found_inf.item()):
-            return None
         # Checks first, writes after: nothing below raises on what the user passed.
         key, with_grads = self._check_step()
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is None and self.nonfinite != "propagate" and with_grads:
-            bad = _first_nonfinite(with_grads)
-            elsewhere = False
-            shard_groups = self._shard_groups()
-            if shard_groups:
-                # Under FSDP2 each rank sees its own rows of the gradients: the ranks
-                # decide together (one all-reduce), or one would skip a step the others
-                # take and their schedules would part.
-                elsewhere = sharding.any_rank(bad is not None, shard_groups,
-                                              with_grads[0][2].device) and bad is None
-            if bad is not None or elsewhere:
-                if self.nonfinite == "skip":
-                    return None
-                where = "a parameter's rows on another rank" if elsewhere else _param_name(*bad)
-                raise ValueError(f"{where} has a non-finite gradient (NaN or inf); "
-                                 "the step was not applied (nonfinite='raise')")
+        found_inf = self._skip_flag(with_grads)
         self._prepare_plan(key)
         self._fill_lrs()
         if self._steps_plan is not self._plan:
@@ -230,10 +222,11 @@ class FusedOptimizer(Optimizer):
             # loaded state dict): packed once per plan.
             self._steps = plan.pack_step_counters(self._plan, self.state)
             self._steps_plan = self._plan
-        if self._steps is not None:
-            self._steps.add_(1.0)
-        # GradScaler's scale goes to the ops, which divide it out as they read the
-        # gradients: no separate pass over them (8 bytes per parameter).
+        # The count after this update, which the kernels' bias correction takes; a
+        # skipped step takes it back after the update (_uncount_skipped), so that the
+        # counts hold the number of applied steps without the host reading the flag.
+        for steps in self._steps.values():
+            steps.add_(1.0)
         if self._draws_random_numbers:
             rng_step = self._rng_step()
             for bucket in self._plan:
@@ -242,15 +235,26 @@ class FusedOptimizer(Optimizer):
             grads = [[sharding.local(p.grad) for p in b.params] for b in self._plan]
         else:
             grads = [[p.grad for p in b.params] for b in self._plan]
-        return self._plan, grads, grad_scale
+        # GradScaler's scale goes to the ops, which divide it out as they read the
+        # gradients: no separate pass over them (8 bytes per parameter).
+        return self._plan, grads, getattr(self, "grad_scale", None), found_inf
+
+    def _skip_flag(self, with_grads: List[Tuple[int, int, Tensor]]) -> Optional[Tensor]:
+        return skip_flag(getattr(self, "found_inf", None), self.nonfinite, with_grads,
+                         self._shard_groups())
+
+    @torch._dynamo.disable
+    def _uncount_skipped(self, found_inf: Optional[Tensor]) -> None:
+        """Take back the step counted by :meth:`_prepare_step` if the ops skipped it
+        (``found_inf`` set), on the device: queued after the step's op calls."""
+        if found_inf is None:
+            return
+        for device, steps in self._steps.items():
+            steps.sub_(found_inf if found_inf.device == device else found_inf.to(device))
 
     def _shard_groups(self) -> List[Any]:
         """The process groups the DTensor parameters are sharded over, once each."""
-        groups = []
-        for layout in self._layouts.values():
-            if layout.group is not None and all(layout.group is not g for g in groups):
-                groups.append(layout.group)
-        return groups
+        return sharding.process_groups(self._layouts.values())
 
     def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]]]:
         """Every per-step check, before anything changes: the groups' options (lr
@@ -305,9 +309,15 @@ class FusedOptimizer(Optimizer):
         self._after_plan()
 
     def _apply(self, buckets: List[Bucket], grads: List[List[Tensor]],
-               grad_scale: Optional[Tensor] = None) -> None:
+               grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+        # The flag on each device the buckets live on (one copy per device).
+        flags: Dict[torch.device, Optional[Tensor]] = {}
         for bucket, bucket_grads in zip(buckets, grads):
-            plan.run(bucket, bucket_grads, self.state, self.backend, grad_scale)
+            device = bucket.params[0].device
+            if device not in flags:
+                flags[device] = found_inf if found_inf is None or found_inf.device == device \
+                    else found_inf.to(device)
+            plan.run(bucket, bucket_grads, self.state, self.backend, grad_scale, flags[device])
 
     def _fill_lrs(self) -> None:
         """Copy each float lr into its group's lr tensor (read by the op calls)."""
@@ -378,7 +388,7 @@ class FusedOptimizer(Optimizer):
             _refuse_gradient(gi, i, p)
         # The ordinary step's check, which makes no temporary the size of the gradient (a
         # bool mask of each was seen to raise a LLaMA-20m step's high-water mark by 50 MB).
-        if self.nonfinite == "raise" and _first_nonfinite([(gi, i, p)]) is not None:
+        if self.nonfinite == "raise" and first_nonfinite([(gi, i, p)]) is not None:
             raise ValueError(f"{_param_name(gi, i, p)} has a non-finite gradient (NaN or inf); "
                              "its update was not applied (nonfinite='raise'); the tensors "
                              "stepped before it in this backward keep theirs")
@@ -576,28 +586,83 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
                          "tensors")
 
 
-def _first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
-                     ) -> Optional[Tuple[int, int, Tensor]]:
-    """The first (group index, index, tensor) whose gradient holds a NaN or an infinity.
+def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
+              with_grads: List[Tuple[int, int, Tensor]], shard_groups: List[Any]
+              ) -> Optional[Tensor]:
+    """A step's found_inf: a one-element tensor, non-zero when the step must be skipped,
+    decided on the device (None: nothing to skip). ``found_inf`` is a GradScaler's flag,
+    used as it is (the scaler computed it over these gradients); without one, under
+    ``nonfinite="skip"``, one fused read of the gradients of ``with_grads`` ((group
+    index, index, tensor) triples). Over the ranks of ``shard_groups`` (FSDP2) the
+    flag is their maximum. ``nonfinite="raise"`` reads the flag here (its one host
+    sync) and raises a ValueError naming the parameter."""
+    own = found_inf is None and nonfinite != "propagate" and bool(with_grads)
+    if own:
+        flag = _nonfinite_flag(with_grads)
+    elif found_inf is not None:
+        # GradScaler sums the flags of its devices: a count, where the step counts
+        # must lose exactly one.
+        flag = found_inf.detach().reshape(1).clamp(max=1.0)
+    else:
+        return None
+    if shard_groups:
+        # Each rank sees its own rows of the gradients: the ranks decide together, or
+        # one would skip a step the others take and their states would part.
+        sharding.max_over_ranks_(flag, shard_groups)
+    if own and nonfinite == "raise":
+        if bool(flag):  # the documented host sync of nonfinite="raise"
+            bad = _named_nonfinite(with_grads)
+            where = "a parameter's rows on another rank" if bad is None else _param_name(*bad)
+            raise ValueError(f"{where} has a non-finite gradient (NaN or inf); "
+                             "the step was not applied (nonfinite='raise')")
+        return None
+    return flag
 
-    GradScaler's own check (one fused read of the gradients per device, multiplying
-    them by 1.0, which leaves every value as it was) and one host sync per device; the
-    gradient is named by a second pass, only when one is found."""
+
+def _nonfinite_flag(with_grads: List[Tuple[int, int, Tensor]]) -> Tensor:
+    """A one-element float32 tensor on the first gradient's device: 1 when a gradient of
+    ``with_grads`` ((group index, index, tensor) triples) holds a NaN or an infinity,
+    else 0, computed on the devices without a host sync.
+
+    GradScaler's own check: one fused read of the gradients per device, multiplying
+    them by 1.0, which leaves every value as it was."""
     device = with_grads[0][2].device
     if all(p.device == device for _, _, p in with_grads):
-        groups = {device: with_grads}  # the common case, without a dict of lists
+        by_device = {device: with_grads}  # the common case, without a dict of lists
     else:
-        groups = defaultdict(list)
+        by_device = defaultdict(list)
         for item in with_grads:
-            groups[item[2].device].append(item)
-    for device, items in groups.items():
-        found = torch.zeros(1, device=device)
+            by_device[item[2].device].append(item)
+    flag = None
+    for dev, items in by_device.items():
+        found = torch.zeros(1, device=dev)
         grads = [sharding.local(p.grad) for _, _, p in items]  # a DTensor's: this rank's rows
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found,
-                                                         torch.ones(1, device=device))
-        if bool(found):
-            return next(item for item, g in zip(items, grads) if not bool(g.isfinite().all()))
-    return None
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=dev))
+        flag = found if flag is None else torch.maximum(flag, found.to(device), out=flag)
+    return flag
+
+
+def first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
+                    ) -> Optional[Tuple[int, int, Tensor]]:
+    """The first (group index, index, tensor) whose gradient holds a NaN or an infinity
+    (a host sync: for nonfinite="raise", which names it)."""
+    if not bool(_nonfinite_flag(with_grads)):
+        return None
+    return _named_nonfinite(with_grads)
+
+
+def _named_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
+                     ) -> Optional[Tuple[int, int, Tensor]]:
+    """The first item whose (local) gradient is not finite, by a second pass over them
+    (run only once a flag said one is there; None: it is on another rank)."""
+    return next((item for item in with_grads
+                 if not bool(sharding.local(item[2].grad).isfinite().all())), None)
+
+
+def check_nonfinite(nonfinite: Any) -> None:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; "
+                         f"got {nonfinite!r}")
 
 
 def check_int(value: Any, name: str, low: int = 1, where: str = "") -> None:

@@ -292,7 +292,7 @@ class DQT(FRUGAL):
         return self._steps_taken
 
     @torch._dynamo.disable
-    def _apply(self, buckets, grads, grad_scale=None) -> None:
+    def _apply(self, buckets, grads, grad_scale=None, found_inf=None) -> None:
         # Eager under torch.compile: the op's rng_step is an int, a new one each step.
-        super()._apply(buckets, grads, grad_scale)
+        super()._apply(buckets, grads, grad_scale, found_inf)
 

@@ -95,10 +95,11 @@ class FRUGAL(FusedOptimizer):
         block_order: order of ``blocks``.
         seed: seed of the optimizer's generator (an int).
         nonfinite: what a step does when a gradient holds a NaN or an infinity:
-            ``"skip"`` (nothing changes, as a GradScaler's skip; one host sync per
-            step), ``"raise"`` (a ValueError naming the parameter, nothing changes;
-            one sync) or ``"propagate"`` (the step applies them: NaN reaches the params
-            and moments; no sync). See :meth:`FusedOptimizer.step`.
+            ``"skip"`` (params, moments and step counts unchanged, as a GradScaler's
+            skip, decided on the device: no host sync; the schedules count the call),
+            ``"raise"`` (a ValueError naming the parameter, nothing changes; one host
+            sync per step) or ``"propagate"`` (the step applies them: NaN reaches the
+            params and moments). See :meth:`FusedOptimizer.step`.
         backend: kernel backend of the ops (``"auto"``, ``"cpu"``, ``"cuda"``,
             ``"triton"``, ``"torch"``).
 

@@ -149,27 +149,36 @@ def single(gi: int, group: dict, i: int, p: Tensor, state,
     return Bucket(assign(gi, group, i, p), group, group_lr(gi, group), [p], layouts=[None])
 
 
-def pack_step_counters(plan: Sequence[Bucket], state) -> Optional[Tensor]:
-    """The bias-correction step counts of the plan's state-full tensors as one tensor,
-    each tensor's ``state["step"]`` becoming a 0-dim view of it (None if there are
-    none), so that one ``add_`` counts a step for all of them: ``_foreach_add_``
-    over 0-dim CPU tensors took about 5 us per tensor, 560 us a step for LLaMA-130M's."""
-    states = [state[p] for b in plan if b.assignment.stateful for p in b.params]
-    if not states:
-        return None
-    packed = torch.stack([st["step"] for st in states])
-    for i, st in enumerate(states):
-        st["step"] = packed[i]
+def pack_step_counters(plan: Sequence[Bucket], state) -> Dict[torch.device, Tensor]:
+    """The bias-correction step counts of the plan's state-full tensors as one tensor per
+    device (that of the tensors they count for, where the kernels read them and where
+    a skipped step's flag is subtracted from them without a host sync), each tensor's
+    ``state["step"]`` becoming a 0-dim view of it, so that one ``add_`` counts a step
+    for all of them: ``_foreach_add_`` over 0-dim CPU tensors took about 5 us per
+    tensor, 560 us a step for LLaMA-130M's."""
+    by_device: Dict[torch.device, List[dict]] = {}
+    for b in plan:
+        if b.assignment.stateful:
+            for p in b.params:
+                by_device.setdefault(p.device, []).append(state[p])
+    packed = {}
+    for device, states in by_device.items():
+        counts = torch.stack([st["step"].to(device) for st in states])
+        for i, st in enumerate(states):
+            st["step"] = counts[i]
+        packed[device] = counts
     return packed
 
 
 def run(bucket: Bucket, grads: List[Tensor], state, backend: str,
-        grad_scale: Optional[Tensor] = None) -> None:
+        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """One fused op call: ``bucket``'s tensors take their rule with ``grads`` (the local
     blocks of DTensor gradients), which a GradScaler's ``grad_scale`` (when given) is
-    divided out of inside the op."""
+    divided out of inside the op; a non-zero ``found_inf`` (on the bucket's device)
+    leaves every tensor of the call untouched, decided by the kernels."""
     runner = RUNNERS[bucket.assignment.rule]
-    amp = {} if grad_scale is None else {"grad_scale": grad_scale}
+    amp = {name: t for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf))
+           if t is not None}
     # The local blocks are taken at every step: FSDP2 may give a parameter a new
     # block (its lazy init does), and a block taken once would then be stale.
     params = [local(p) for p in bucket.params] if any(bucket.layouts) else bucket.params
@@ -244,10 +253,13 @@ def _lowrank(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
     for low, layout in zip(low_grads, left):
         if layout is not None:
             layout.all_reduce(low)
-    if amp:
+    if "grad_scale" in amp:
         # The projections of the unscaled gradient, as lowrank_step_ takes them: the
         # low-rank tensors are small, so they are unscaled here rather than in the op.
         torch._foreach_mul_(low_grads, inverse_grad_scale(amp["grad_scale"]))
+    # The low-rank AdamW reads the projections, unscaled already: it takes the skip
+    # flag alone, or a NaN projected from a skipped step's gradient would reach m and v.
+    skip = {"found_inf": amp["found_inf"]} if "found_inf" in amp else {}
     # A left-side tensor's moments [r, n] are shared out by their rows too: each rank
     # steps its chunk, and the chunks of the update are gathered for the back-projection.
     adam_grads = [low if layout is None else low.narrow(0, *layout.chunk(low.shape[0]))
@@ -255,7 +267,7 @@ def _lowrank(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
     # AdamW on a zero "parameter" without decay leaves exactly the update in it.
     low_updates = [torch.zeros_like(lg) for lg in adam_grads]
     calls.adamw_(low_updates, adam_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
-               eps=group["eps"], weight_decay=0.0, step=step, backend=backend)
+               eps=group["eps"], weight_decay=0.0, step=step, backend=backend, **skip)
     low_updates = [up if layout is None else layout.all_gather_chunks(up, low.shape[0])
                    for up, low, layout in zip(low_updates, low_grads, left)]
     # At full rank the residual is zero but for rounding, which a sign would
@@ -325,7 +337,7 @@ def _dqt_subset(bucket: Bucket, params, grads, state, backend, calls, amp) -> No
 # A runner takes the bucket, the tensors its ops update (the params, or their local
 # blocks), their gradients, the optimizer's state, the backend, the module whose op
 # faces it calls (``ops``, or ``ops.unchecked`` once checked) and the GradScaler
-# keywords of its op calls (``grad_scale``, or none).
+# keywords of its op calls (``grad_scale`` and ``found_inf``, each when given).
 RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], dict, str, Any, dict],
                             None]] = {
     "adamw": _adamw,

@@ -36,7 +36,7 @@ from torch import Tensor
 from frugal_kernels._layout import LEFT, lowrank_side, row_chunk as chunk
 
 __all__ = ["ShardLayout", "layout_of", "local", "is_sharded", "sharded_entry", "chunk",
-           "any_rank"]
+           "max_over_ranks_", "process_groups"]
 
 # State entries that are sharded on dim 0 in the global form when their parameter
 # is: the moments (of every kind) and BAdam's master copy. A left-side projection
@@ -241,13 +241,23 @@ def layout_of(p: Tensor, name: str) -> Optional[ShardLayout]:
                        num_shards, shard_rank)
 
 
-def any_rank(flag: bool, groups: Iterable[object], device: torch.device) -> bool:
-    """Whether ``flag`` holds on any rank of ``groups`` (an all-reduce on each)."""
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
+def process_groups(layouts: Iterable["ShardLayout"]) -> List[object]:
+    """The process groups ``layouts`` are sharded over, once each."""
+    groups: List[object] = []
+    for layout in layouts:
+        if layout.group is not None and all(layout.group is not g for g in groups):
+            groups.append(layout.group)
+    return groups
+
+
+def max_over_ranks_(flag: Tensor, groups: Iterable[object]) -> Tensor:
+    """``flag`` replaced, in place, by its maximum over the ranks of ``groups`` (an
+    all-reduce on each, on ``flag``'s device): how the ranks agree on skipping a step
+    without any of them reading the flag on the host."""
     for group in groups:
         if group is not None:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag
 
 
 def _contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:

@@ -103,12 +103,19 @@ def make_projection(projection: str, grad: Tensor, rank: int,
     ``svd``: the top singular vectors of the current gradient (GaLore);
     ``random``: a random semi-orthogonal matrix (QR of a Gaussian matrix drawn
     from ``generator`` on the CPU). Both are independent of the thread count.
+
+    A NaN or an infinity in the gradient counts as 0 for ``svd``: the step that
+    holds it is skipped (nonfinite="skip", a GradScaler) while its subspace
+    change still happens (the host never learns of the skip), and one such value
+    would otherwise make the SVD fail or fill the projection with NaN for the
+    ``update_gap`` steps it is used.
     """
     m, n = matrix_shape(grad.shape)
     side = lowrank_side(grad.shape)
     if projection == "svd":
+        finite = grad.reshape(m, n).float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         with _one_thread_on_cpu(grad.device):
-            u, _, vh = torch.linalg.svd(grad.reshape(m, n).float(), full_matrices=False)
+            u, _, vh = torch.linalg.svd(finite, full_matrices=False)
         return (vh[:rank] if side == RIGHT else u[:, :rank]).contiguous()
     if projection == "random":
         dim = n if side == RIGHT else m

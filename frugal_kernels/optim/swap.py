@@ -20,6 +20,14 @@ dtype, which the fused ops, with float32 state, do not store). The
 ``foreach`` and ``fused`` flags are ignored: the fused ops replace both
 paths (a ``fused`` group's new ``step`` tensors still live where torch's
 fused path puts them, on the parameter's device).
+
+A ``fused=True`` torch AdamW / Adam / SGD tells a GradScaler that its step
+unscales the gradients and skips on an inf itself (``_step_supports_amp_scaling``):
+the swapped step does both as torch's fused step does, with the scaler's
+``grad_scale`` and ``found_inf`` handed to the fused ops, decided on the device
+(no host sync). The step counts are counted before the update and take
+``found_inf`` back after it, as torch's fused step does, so a skipped step
+leaves them as they were.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from frugal_kernels import ops
+from frugal_kernels._layout import inverse_grad_scale
 from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
@@ -42,6 +51,8 @@ __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 _SAVED = "_frugal_swap_saved_step"
 # Where it keeps the backend of the swapped step.
 _BACKEND = "_frugal_swap_backend"
+# Where it keeps each Adam(W) group's op calls (see _adam_calls).
+_CALLS = "_frugal_swap_calls"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 
 
@@ -69,6 +80,7 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
             raise ValueError("swap(undo=True): this optimizer was not swapped")
         saved = optimizer.__dict__.pop(_SAVED)
         optimizer.__dict__.pop(_BACKEND, None)
+        optimizer.__dict__.pop(_CALLS, None)
         del optimizer.step
         if saved is not None:
             optimizer.step = saved
@@ -91,8 +103,12 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
         # An LR scheduler attached before the swap watches this flag.
         self._opt_called = True
         _check_groups(self)
+        # A GradScaler sets these only on an optimizer whose step unscales and skips
+        # (a fused torch optimizer); the swapped step then does it in the fused ops.
+        amp = {"grad_scale": getattr(self, "grad_scale", None),
+               "found_inf": getattr(self, "found_inf", None)}
         for group in self.param_groups:
-            group_step(self, group, backend)
+            group_step(self, group, backend, amp=amp)
         return loss
 
     hooked = Optimizer.profile_hook_step(step)
@@ -178,54 +194,98 @@ def _new_step(group: dict, p: Tensor) -> Tensor:
 
 
 def _adam_group(optimizer: Optimizer, group: dict, backend: str,
-                params: Optional[List[Tensor]] = None) -> None:
+                params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
     decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
     beta1, beta2 = (float(b) for b in group["betas"])
     weight_decay = float(group["weight_decay"])
     maximize = bool(group["maximize"])
-    # One call per device and step count (params added later count their own steps).
-    calls: Dict[Tuple[torch.device, float], List[Tensor]] = defaultdict(list)
-    for p in _with_grads(group, params):
+    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
+    with_grads = _with_grads(group, params)
+    for p in with_grads:
         state = optimizer.state[p]
         if len(state) == 0:
             state["step"] = _new_step(group, p)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
-        calls[(p.device, float(state["step"]))].append(p)
-    for (_, step), params in calls.items():
+    steps = [optimizer.state[p]["step"] for p in with_grads]
+    if steps:
+        torch._foreach_add_(steps, 1.0)
+    for params in _adam_calls(optimizer, group, with_grads, whole=params is None):
         # DTensor parameters (FSDP2) keep torch's state, DTensors like them, which
         # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
         # local blocks of all of them.
+        step = optimizer.state[params[0]]["step"]
         grads = [local(p.grad) for p in params]
         exp_avgs = [local(optimizer.state[p]["exp_avg"]) for p in params]
         exp_avg_sqs = [local(optimizer.state[p]["exp_avg_sq"]) for p in params]
         params = [local(p) for p in params]
-        kwargs = dict(weight_decay=weight_decay, maximize=maximize)
+        device = params[0].device
+        kwargs = dict(weight_decay=weight_decay, maximize=maximize,
+                      grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device))
         if not decoupled and weight_decay != 0:
-            # torch.optim.Adam: g = (-g if maximize) + weight_decay * p, then no decay.
+            # torch.optim.Adam: g = (-g if maximize) + weight_decay * p, then no decay;
+            # the L2 term joins the unscaled gradient.
+            if grad_scale is not None:
+                grads = torch._foreach_mul(grads, inverse_grad_scale(_on(grad_scale, device)))
             if maximize:
                 grads = torch._foreach_neg(grads)
             grads = torch._foreach_add(grads, params, alpha=weight_decay)
-            kwargs = dict(weight_decay=0.0, maximize=False)
+            kwargs.update(weight_decay=0.0, maximize=False, grad_scale=None)
         ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1,
                    beta2=beta2, eps=float(group["eps"]), step=step, backend=backend, **kwargs)
+    if steps and found_inf is not None:
+        # Queued after the update: a skipped step takes its count back (on the device).
+        for device, device_steps in _by_device(steps).items():
+            torch._foreach_sub_(device_steps, _on(found_inf, device).reshape(()))
+
+
+def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
+                whole: bool) -> List[List[Tensor]]:
+    """``with_grads`` split into op calls, one per device and step count (params added
+    later count their own steps). Finding the counts reads every ``state["step"]`` (a
+    host sync each for a fused group's device counts), so a whole group's split is kept
+    and reused while the group steps the same tensors with the same step tensors:
+    every step adds the same to all of them, so equal counts stay equal."""
+    steps = [optimizer.state[p]["step"] for p in with_grads]
+    cache = optimizer.__dict__.setdefault(_CALLS, {})
+    if whole:
+        kept = cache.get(id(group))
+        if kept is not None and len(kept[0]) == len(steps) and \
+                all(a is b for a, b in zip(kept[0], steps)):
+            return kept[1]
+    calls: Dict[Tuple[torch.device, float], List[Tensor]] = defaultdict(list)
+    for p, step in zip(with_grads, steps):
+        calls[(p.device, float(step))].append(p)
+    split = list(calls.values())
+    if whole:
+        # The step tensors are held, so that none of them is freed and another made at
+        # its address (the check is by identity).
+        cache[id(group)] = (steps, split)
+    return split
+
+
+def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """``t`` on ``device`` (a copy only when it lives elsewhere)."""
+    return t if t is None or t.device == device else t.to(device)
 
 
 # --------------------------------------------------------------------- SGD
 
 def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
-               params: Optional[List[Tensor]] = None) -> None:
+               params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
     momentum = float(group["momentum"])
     hyper = dict(lr=group["lr"], momentum=momentum, dampening=float(group["dampening"]),
                  weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
                  maximize=bool(group["maximize"]), backend=backend)
+    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
     params = _with_grads(group, params)
     if momentum == 0:
         # torch keeps no state without momentum.
-        for device_params in _by_device(params).values():
+        for device, device_params in _by_device(params).items():
             ops.sgd_([local(p) for p in device_params],
-                     [local(p.grad) for p in device_params], [], **hyper)
+                     [local(p.grad) for p in device_params], [],
+                     grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
+                     **hyper)
         return
     # A param without a buffer starts it from its gradient: its own call.
     calls: Dict[Tuple[torch.device, bool], List[Tensor]] = defaultdict(list)
@@ -233,12 +293,15 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
         state = optimizer.state[p]
         first = state.get("momentum_buffer") is None
         if first:
-            state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            # Zeros rather than empty: a first step that found_inf skips leaves the
+            # buffer as it is, and the next step takes it as started (from zero).
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         calls[(p.device, first)].append(p)
-    for (_, first), call_params in calls.items():
+    for (device, first), call_params in calls.items():
         ops.sgd_([local(p) for p in call_params], [local(p.grad) for p in call_params],
                  [local(optimizer.state[p]["momentum_buffer"]) for p in call_params],
-                 first_step=first, **hyper)
+                 first_step=first, grad_scale=_on(grad_scale, device),
+                 found_inf=_on(found_inf, device), **hyper)
 
 
 def _by_device(params: List[Tensor]) -> Dict[torch.device, List[Tensor]]:

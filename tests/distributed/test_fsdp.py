@@ -34,6 +34,8 @@ BATCH = 8  # global; each of the two ranks takes half
 # The first rank's is the last layer's whole weight: the second rank's block is empty.
 CONFIGS = [f"FRUGAL-{p}" for p in PROJECTIONS] + ["AdaFRUGAL-rows", "AdaFRUGAL-svd", "BAdam",
                                                    "BAdam-frugal"]
+# Those stepped once more with a NaN on one rank (nonfinite="skip", the default).
+SKIP_CONFIGS = ["FRUGAL-columns", "FRUGAL-svd", "BAdam"]
 
 
 class Net(nn.Module):
@@ -217,6 +219,25 @@ def _rank(rank, world, port, out):
         results[name]["from_one"] = full_params(model)
         results[name]["from_one_history"] = [dict(h) for h in opt.history]
 
+    # A NaN in the second rank's rows only: the ranks agree through a max all-reduce of
+    # the flag, on the device, and both skip (the first rank's gradients are finite).
+    results["one_rank_nan"] = {}
+    for name in SKIP_CONFIGS:
+        model = shard(Net(), mesh)
+        opt = optimizer(name, model)
+        train(model, opt, 0, 1, rank, world)  # the moments exist
+        x, y = batches()[1]
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        if rank == 1:
+            p = next(p for p in model.parameters()
+                     if p.grad is not None and p.grad.to_local().numel())
+            p.grad.to_local().view(-1)[0] = float("nan")
+        before = _local_tensors(model, opt)
+        opt.step()
+        results["one_rank_nan"][name] = all(
+            torch.equal(a, b) for a, b in zip(before, _local_tensors(model, opt)))
+
     # swap and from_optimizer on DTensors: a torch AdamW on the fused op, and turned into
     # FRUGAL at density 1 (which continues AdamW), against torch's own AdamW.
     torch_run, swapped, turned = (shard(Net(), mesh) for _ in range(3))
@@ -238,6 +259,16 @@ def _rank(rank, world, port, out):
                                "history": [dict(h) for h in ada.history]}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _local_tensors(model, opt):
+    """This rank's blocks of the params and every tensor of the optimizer's state (BAdam's
+    count of applied updates too), cloned."""
+    out = [p.to_local().clone() for p in model.parameters()]
+    out += [v.clone() for st in opt.state.values() for v in st.values()
+            if isinstance(v, torch.Tensor)]
+    updates = getattr(opt, "_block_updates", None)
+    return out + ([updates.clone()] if updates is not None else [])
 
 
 def _free_port():
@@ -400,6 +431,12 @@ def test_a_checkpoint_of_one_process_resumes_on_two_ranks(runs, name):
     for r in ranks:
         assert r[name]["from_one_history"] == [dict(h) for h in opt.history]
     assert_close_run(ranks[0][name]["from_one"], model.parameters(), name)
+
+
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(runs):
+    _, ranks = runs
+    for rank, results in enumerate(ranks):
+        assert results["one_rank_nan"] == {name: True for name in SKIP_CONFIGS}, rank
 
 
 def test_swap_and_from_optimizer_on_dtensors_follow_torchs_adamw(runs):

@@ -261,6 +261,40 @@ def test_resume_is_bit_identical(mode):
         assert torch.equal(p, q), name
 
 
+def test_resume_after_a_skipped_step_keeps_the_count_of_applied_updates():
+    """block_updates travels in the state dict: a skipped step (found_inf) before the cut
+    resumes exactly; a state dict saved before block_updates existed takes block_steps,
+    and a count beyond block_steps is refused."""
+    model, first = Toy(), Toy()
+    opt, opt1 = badam(model, "ascending"), badam(first, "ascending")
+    for m, o in ((model, opt), (first, opt1)):
+        run_steps(m, o, 0, 1)
+        m.loss(1).backward()
+        o.found_inf = torch.ones(())
+        o.step()
+        del o.found_inf
+        o.zero_grad()
+    saved = opt1.state_dict()
+    assert saved["param_groups"][0]["badam"]["block_updates"] == 1.0
+    assert saved["param_groups"][0]["badam"]["block_steps"] == 2
+    resumed = copy.deepcopy(first)
+    opt2 = badam(resumed, "ascending")
+    opt2.load_state_dict(saved)
+    run_steps(model, opt, 2, 2 * SWITCH_EVERY)
+    run_steps(resumed, opt2, 2, 2 * SWITCH_EVERY)
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    too_many = copy.deepcopy(saved)
+    too_many["param_groups"][0]["badam"]["block_updates"] = 3.0
+    with pytest.raises(ValueError, match="block_updates 3.0 is not a count"):
+        badam(Toy(), "ascending").load_state_dict(too_many)
+    older = copy.deepcopy(saved)
+    del older["param_groups"][0]["badam"]["block_updates"]
+    opt3 = badam(Toy(), "ascending")
+    opt3.load_state_dict(older)
+    assert opt3.state_dict()["param_groups"][0]["badam"]["block_updates"] == 2.0
+
+
 def test_bad_state_dict_raises_and_changes_nothing():
     model = Toy()
     opt = badam(model, "ascending")
@@ -341,17 +375,22 @@ def test_lr_scheduler_drives_every_block():
     assert opt.active_block == "model.layers.2"
 
 
-def test_grad_scaler_found_inf_skips_everything():
+def test_grad_scaler_found_inf_skips_the_update_while_the_schedule_counts_the_call():
+    """The skip is decided on the device: the block's params, moments and bias-correction
+    count stay as they were, and the schedule counts the call (the host never reads
+    found_inf; docs/optimizers.md, "Skipped steps and schedules")."""
     model = Toy()
     opt = badam(model, "ascending")
     model.loss(0).backward()
     before = snapshot(model)
     opt.found_inf = torch.ones(())
-    for _ in range(SWITCH_EVERY + 1):
+    for _ in range(SWITCH_EVERY - 1):
         opt.step()
-    assert opt.active_block == "embedding" and opt.state_bytes() == 0
+    assert opt.active_block == "embedding"
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name][0]), name
+    for st in opt.state.values():
+        assert not st["exp_avg"].any() and not st["exp_avg_sq"].any()
     del opt.found_inf
     opt.grad_scale = torch.full((), 4.0)
     reference = copy.deepcopy(model)
@@ -359,10 +398,39 @@ def test_grad_scaler_found_inf_skips_everything():
     for p, q in zip(model.parameters(), reference.parameters()):
         if p.grad is not None:
             q.grad = p.grad / 4.0
-    opt.step()
+    opt.step()  # the block's first applied update: bias correction from step 1
     ref_opt.step()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+    assert opt.active_block == opt.block_names[1]  # SWITCH_EVERY calls: the switch
+
+
+@pytest.mark.parametrize("inner", ["adamw", "frugal"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_policies(inner, value):
+    """skip (default): the update is skipped and the call counted; raise: a ValueError
+    naming the tensor, nothing changed, the call not counted; propagate: applied."""
+    options = FRUGAL_INNER if inner == "frugal" else {}
+    results = {}
+    for policy in ("skip", "raise", "propagate"):
+        model = Toy()
+        opt = badam(model, "ascending", nonfinite=policy, **options)
+        model.loss(0).backward()
+        opt.step()
+        opt.zero_grad()
+        model.loss(1).backward()
+        weight = model.model.embed_tokens.weight
+        weight.grad.view(-1)[3] = value
+        before = snapshot(model)
+        steps = opt.state_dict()["param_groups"][0]["badam"]["steps_taken"]
+        if policy == "raise":
+            with pytest.raises(ValueError, match="non-finite gradient"):
+                opt.step()
+        else:
+            opt.step()
+        results[policy] = (all(torch.equal(p, before[n][0]) for n, p in model.named_parameters()),
+                           opt.state_dict()["param_groups"][0]["badam"]["steps_taken"] - steps)
+    assert results == {"skip": (True, 1), "raise": (True, 0), "propagate": (False, 1)}
 
 
 def test_closure_and_governor():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import frugal_kernels as fk
+from frugal_kernels._layout import RIGHT, lowrank_side
 from frugal_kernels.optim import frugal, subspace
 
 from .helpers import HYPER, grad_sequence, groups, make_params, set_grads
@@ -438,23 +439,56 @@ def _bad_grads(params, value, which):
 @pytest.mark.parametrize("value", NONFINITE)
 @pytest.mark.parametrize("which", [0, 4])  # a projected tensor, a regular one
 def test_a_nonfinite_gradient_skips_the_step_by_default(kind, projection, value, which):
-    """Nothing changes at the skipped step (it falls on a subspace change), and the run
-    goes on exactly as one that never saw it."""
+    """The skipped step (the third: a subspace change, update_gap=2) moves no param,
+    and its schedule counts the call as a GradScaler's skip does (the host never
+    reads the flag): the run goes on exactly as a twin whose same step a found_inf
+    skipped. tests/optim/test_no_host_sync.py checks a skip between changes, where
+    every state tensor and step count stays bit-identical too."""
     opt, params = _make(kind, projection)
     twin, twin_params = _make(kind, projection)
     assert opt.nonfinite == "skip"
     _steps(opt, params, 2)
     _steps(twin, twin_params, 2)
-    set_grads(params, _bad_grads(params, value, which))
-    before = _snapshot(opt, params)
+    bad = _bad_grads(params, value, which)
+    set_grads(params, bad)
+    before = [p.detach().clone() for p in params]
     opt.step()
-    _assert_same(before, _snapshot(opt, params))
+    for i, (p, b) in enumerate(zip(params, before)):
+        assert torch.equal(p, b), f"params[{i}] moved at a skipped step"
+    set_grads(twin_params, [g.clone() for g in bad])
+    twin.found_inf = torch.ones(())
+    twin.step()
+    del twin.found_inf
+    _assert_same(_snapshot(twin, twin_params), _snapshot(opt, params))
     for g in grad_sequence(params, 3, seed=4):
         set_grads(params, g)
         opt.step()
         set_grads(twin_params, g)
         twin.step()
     _assert_same(_snapshot(twin, twin_params), _snapshot(opt, params))
+
+
+@pytest.mark.parametrize("value", NONFINITE)
+def test_an_svd_subspace_chosen_at_a_skipped_step_ignores_the_nonfinite_entries(value):
+    """A skipped step still changes subspaces (the host never learns of the skip): svd's
+    is that of the gradient with its NaN / inf entries as 0, finite, so the steps that
+    use it until the next change are not poisoned (torch's svd would fail or give NaN)."""
+    opt, params = _make("FRUGAL", "svd")  # update_gap=2: changes at steps 1 and 3
+    _steps(opt, params, 2)
+    grads = _bad_grads(params, value, 0)
+    set_grads(params, grads)
+    opt.step()
+    assert opt.history[-1]["step"] == 3
+    proj = opt.state[params[0]]["projection"]
+    side = lowrank_side(params[0].shape)
+    rank = proj.shape[0] if side == RIGHT else proj.shape[1]
+    clean = grads[0].clone()
+    clean.view(-1)[1] = 0.0
+    assert torch.equal(proj, subspace.make_projection("svd", clean, rank, opt._generator))
+    _steps(opt, params, 1, seed=6)
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(torch.isfinite(v).all() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -489,11 +523,11 @@ def test_nonfinite_propagate_applies_the_step(kind, projection, value):
 
 def test_nonfinite_skip_costs_nothing_more_under_a_grad_scaler(monkeypatch):
     """A GradScaler's found_inf already decides the step: the optimizer's own check
-    (one read of the gradients and a host sync) is not run."""
+    (one read of the gradients) is not run."""
     from frugal_kernels.optim import base
     calls = []
-    real = base._first_nonfinite
-    monkeypatch.setattr(base, "_first_nonfinite", lambda g: calls.append(1) or real(g))
+    real = base._nonfinite_flag
+    monkeypatch.setattr(base, "_nonfinite_flag", lambda g: calls.append(1) or real(g))
     opt, params = _make("FRUGAL", "columns")
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))

@@ -349,6 +349,29 @@ def test_a_non_finite_gradient_raises_from_backward_naming_its_tensor():
     assert handle.steps == 1 and all(p.grad is None for p in params)
 
 
+@pytest.mark.parametrize("inner", ["adamw", "frugal"])
+def test_badam_in_backward_follows_its_nonfinite_policy(inner):
+    """BAdam's default nonfinite="skip" needs every gradient first: refused, as FRUGAL's;
+    under "raise" a non-finite gradient of the active block raises from backward."""
+    info = next(i for i in OPTIMIZERS if i.name == ("BAdam-frugal" if inner == "frugal"
+                                                      else "BAdam-ascending"))
+    opt, params = info.build()
+    with pytest.raises(ValueError, match="BAdam cannot step in backward: nonfinite='skip'"):
+        fk.step_in_backward(opt)
+    opt, params = _build(info)
+    assert opt.nonfinite == "raise"
+    fk.step_in_backward(opt)
+    active = info.moved(opt, params)
+    grads = grad_sequence(params, 1)[0]
+    at = next(i for i, p in enumerate(params) if p is active[0])
+    grads[at] = grads[at].clone()
+    grads[at].view(-1)[0] = float("inf")
+    before = active[0].detach().clone()
+    with pytest.raises(ValueError, match="non-finite gradient"):
+        _backward(params, grads)
+    assert torch.equal(active[0], before)
+
+
 def test_exported_at_the_top():
     assert fk.step_in_backward is fk.optim.step_in_backward
     assert "step_in_backward" in fk.__all__
