@@ -140,9 +140,10 @@ _IN_BACKWARD = {"nonfinite": "raise"}
 _RESUMED = ("history", "update_gap", "rho")
 
 # torch.compile makes one graph of FRUGAL's step for every projection: subspace
-# changes of the coordinate and low-rank projections keep the graph; with blocks
-# the set of tensors in each op call changes, which recompiles
-# (docs/optimizers.md), so that entry compiles with changes too rare to happen.
+# changes of the coordinate and low-rank projections keep the graph; with blocks a
+# change to tensors of other shapes than an earlier choice's compiles again (the
+# parameters here all differ; tests/optim/test_compile.py has equal ones), so that
+# entry compiles with changes too rare to happen.
 _COMPILE_OPTIONS = {"blocks": {"update_gap": 100}}
 
 OPTIMIZERS = (

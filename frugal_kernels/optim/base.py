@@ -317,7 +317,7 @@ class FusedOptimizer(Optimizer):
             if device not in flags:
                 flags[device] = found_inf if found_inf is None or found_inf.device == device \
                     else found_inf.to(device)
-            plan.run(bucket, bucket_grads, self.state, self.backend, grad_scale, flags[device])
+            plan.run(bucket, bucket_grads, self.backend, grad_scale, flags[device])
 
     def _fill_lrs(self) -> None:
         """Copy each float lr into its group's lr tensor (read by the op calls)."""
@@ -403,7 +403,7 @@ class FusedOptimizer(Optimizer):
             self.state[p]["step"].add_(1.0)
         if self._draws_random_numbers:
             bucket.rng_step = self._rng_step()
-        plan.run(bucket, [g], self.state, self.backend)
+        plan.run(bucket, [g], self.backend)
 
     def _end_tensor_steps(self) -> None:
         """After the step's last tensor."""

@@ -92,6 +92,12 @@ class Bucket:
     # The optimizer's count of steps taken, set before each call: the counter of the
     # random numbers of the rules that draw them (DQT's stochastic rounding).
     rng_step: int = 0
+    # The optimizer's per-tensor state dicts of ``params``, in order. The op calls read
+    # the moments through them, not through the optimizer's state (keyed by tensor):
+    # torch.compile guards a lookup in that mapping on its keys, and would compile the
+    # update again whenever a blocks subspace change frees one tensor's state and gives
+    # another its moments. A plan is rebuilt whenever the optimizer's state is replaced.
+    states: List[dict] = field(default_factory=list)
 
 
 def signature(params: Sequence[Tensor]) -> list:
@@ -136,7 +142,15 @@ def build(param_groups: Sequence[dict], state,
                 bucket = buckets[key] = Bucket(assignment, group, group_lr(gi, group))
             bucket.params.append(p)
             bucket.layouts.append(layouts.get(p))
-    return list(buckets.values())
+            bucket.states.append(st)
+    # In an order of what the buckets are, not of which tensor came first: a subspace
+    # change that moves the first tensor from one rule to another then leaves the
+    # sequence of calls as it was, which a compiled step is keyed on (the calls touch
+    # disjoint tensors, so their order changes no result).
+    order = sorted(buckets, key=lambda k: (k[1], k[0].rule, k[0].subset_kind,
+                                           str(k[0].index_dtype), k[0].bits, str(k[2]),
+                                           str(k[3]), -k[4]))
+    return [buckets[k] for k in order]
 
 
 def single(gi: int, group: dict, i: int, p: Tensor, state,
@@ -146,7 +160,9 @@ def single(gi: int, group: dict, i: int, p: Tensor, state,
     the plan of a tensor stepped on its own, when backward completes its gradient."""
     # A step in backward refuses DTensor parameters (frugal_kernels.step_in_backward):
     # the tensor has no layout.
-    return Bucket(assign(gi, group, i, p), group, group_lr(gi, group), [p], layouts=[None])
+    assignment = assign(gi, group, i, p)
+    return Bucket(assignment, group, group_lr(gi, group), [p], layouts=[None],
+                  states=[state[p]])
 
 
 def pack_step_counters(plan: Sequence[Bucket], state) -> Dict[torch.device, Tensor]:
@@ -170,7 +186,7 @@ def pack_step_counters(plan: Sequence[Bucket], state) -> Dict[torch.device, Tens
     return packed
 
 
-def run(bucket: Bucket, grads: List[Tensor], state, backend: str,
+def run(bucket: Bucket, grads: List[Tensor], backend: str,
         grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """One fused op call: ``bucket``'s tensors take their rule with ``grads`` (the local
     blocks of DTensor gradients), which a GradScaler's ``grad_scale`` (when given) is
@@ -183,34 +199,34 @@ def run(bucket: Bucket, grads: List[Tensor], state, backend: str,
     # block (its lazy init does), and a block taken once would then be stale.
     params = [local(p) for p in bucket.params] if any(bucket.layouts) else bucket.params
     if torch.compiler.is_compiling():
-        runner(bucket, params, grads, state, backend, ops, amp)
+        runner(bucket, params, grads, backend, ops, amp)
         return
     sig = signature(params)
     if bucket.checked is not None and bucket.checked == sig:
-        runner(bucket, params, grads, state, backend, unchecked, amp)
+        runner(bucket, params, grads, backend, unchecked, amp)
         return
     bucket.checked = None
     bucket.cache.clear()  # made for the tensors the bucket held before
-    runner(bucket, params, grads, state, backend, ops, amp)
+    runner(bucket, params, grads, backend, ops, amp)
     bucket.checked = sig
 
 
-def _moments(bucket: Bucket, state):
-    states = [state[p] for p in bucket.params]
+def _moments(bucket: Bucket):
+    states = bucket.states
     return (states, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
             states[0]["step"])
 
 
-def _adamw(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
-    _, m, v, step = _moments(bucket, state)
+    _, m, v, step = _moments(bucket)
     calls.adamw_(params, grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
                eps=group["eps"], weight_decay=group["weight_decay"], step=step, backend=backend,
                **amp)
 
 
-def _state_free(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+def _state_free(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     rule = group["state_free"]
     wd, scale = group["weight_decay"], group["state_free_lr_scale"]
@@ -225,10 +241,10 @@ def _state_free(bucket: Bucket, params, grads, state, backend, calls, amp) -> No
                      state_free_scale=scale, backend=backend, check_indices=False, **amp)
 
 
-def _subset(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+def _subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
-    states, m, v, step = _moments(bucket, state)
+    states, m, v, step = _moments(bucket)
     calls.frugal_step_(params, grads, m, v, [st["indices"] for st in states],
                      kind=bucket.assignment.subset_kind, lr=bucket.lr, beta1=beta1, beta2=beta2,
                      eps=group["eps"], weight_decay=group["weight_decay"], step=step,
@@ -237,10 +253,10 @@ def _subset(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
                      check_indices=False, **amp)
 
 
-def _lowrank(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+def _lowrank(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
-    states, m, v, step = _moments(bucket, state)
+    states, m, v, step = _moments(bucket)
     projections = [st["projection"] for st in states]
     # The side is the global tensor's: a local block of a DTensor may be shaped otherwise.
     sides = [lowrank_side(p.shape) for p in bucket.params]
@@ -309,9 +325,9 @@ def _dqt_call(bucket: Bucket, grads, m, v, indices, kind: str, step, beta1: floa
                       check_indices=False, **amp)
 
 
-def _dqt_adamw(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+def _dqt_adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     beta1, beta2 = bucket.group["betas"]
-    _, m, v, step = _moments(bucket, state)
+    _, m, v, step = _moments(bucket)
     if "rows" not in bucket.cache:
         # AdamW on every coordinate is the FRUGAL split with every row state-full.
         bucket.cache["rows"] = [torch.arange(p.shape[0], dtype=torch.int32, device=p.device)
@@ -320,25 +336,25 @@ def _dqt_adamw(bucket: Bucket, params, grads, state, backend, calls, amp) -> Non
               bucket.group["eps"], calls, backend, amp)
 
 
-def _dqt_state_free(bucket: Bucket, params, grads, state, backend, calls,
+def _dqt_state_free(bucket: Bucket, params, grads, backend, calls,
                     amp) -> None:
     empty, zeros, one = _empty_subsets(bucket)
     _dqt_call(bucket, grads, zeros, zeros, empty, "flat", one, 0.0, 0.0, 0.0, calls, backend, amp)
 
 
-def _dqt_subset(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+def _dqt_subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     beta1, beta2 = bucket.group["betas"]
-    states, m, v, step = _moments(bucket, state)
+    states, m, v, step = _moments(bucket)
     _dqt_call(bucket, grads, m, v, [st["indices"] for st in states],
               bucket.assignment.subset_kind, step, beta1, beta2, bucket.group["eps"], calls,
               backend, amp)
 
 
-# A runner takes the bucket, the tensors its ops update (the params, or their local
-# blocks), their gradients, the optimizer's state, the backend, the module whose op
+# A runner takes the bucket (its state dicts among it), the tensors its ops update (the
+# params, or their local blocks), their gradients, the backend, the module whose op
 # faces it calls (``ops``, or ``ops.unchecked`` once checked) and the GradScaler
 # keywords of its op calls (``grad_scale`` and ``found_inf``, each when given).
-RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], dict, str, Any, dict],
+RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], str, Any, dict],
                             None]] = {
     "adamw": _adamw,
     "state_free": _state_free,
