@@ -58,6 +58,7 @@ class Assignment:
     subset_kind: str = ""                    # subset: rows, columns or flat
     index_dtype: Optional[torch.dtype] = None  # subset: every call takes one index dtype
     full_rank: bool = False                  # lowrank at full rank: no residual
+    fused: bool = False                      # lowrank: the whole step in one op call
     bits: int = 0                            # dqt: the code width of every weight of the call
 
     @property
@@ -229,6 +230,9 @@ def _subset(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
 
 
 def _lowrank(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+    if bucket.assignment.fused and backend in _FUSED_BACKENDS:
+        _lowrank_fused(bucket, params, grads, state, backend, calls, amp)
+        return
     group = bucket.group
     beta1, beta2 = group["betas"]
     states, m, v, step = _moments(bucket, state)
@@ -264,6 +268,30 @@ def _lowrank(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
     calls.lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=bucket.lr,
                       weight_decay=group["weight_decay"], state_free=rule,
                       state_free_scale=group["state_free_lr_scale"], backend=backend, **amp)
+
+
+# The backends of lowrank_adamw_step_ (a forced triton backend takes the other path).
+_FUSED_BACKENDS = ("auto", "cpu", "torch")
+
+
+def _lowrank_fused(bucket: Bucket, params, grads, state, backend, calls, amp) -> None:
+    """The whole low-rank step of the bucket's small matrices in one op call."""
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    states, m, v, step = _moments(bucket, state)
+    sides = bucket.cache.get("sides")
+    if sides is None:
+        sides = [lowrank_side(p.shape) for p in bucket.params]
+        if calls is unchecked:
+            # Kept while the bucket's params keep their shapes (which run checks). Not
+            # from a compiled graph: a guard on the cache would recompile the next step.
+            bucket.cache["sides"] = sides
+    rule = "none" if bucket.assignment.full_rank else group["state_free"]
+    calls.lowrank_adamw_step_(params, grads, m, v, [st["projection"] for st in states],
+                              sides, lr=bucket.lr, beta1=beta1, beta2=beta2,
+                              eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                              state_free=rule, state_free_scale=group["state_free_lr_scale"],
+                              backend=backend, **amp)
 
 
 def _empty_subsets(bucket: Bucket):
