@@ -663,6 +663,22 @@ def _lowrank_adamw_many(dtype, backend):
                                                 "state_free": "sgd"}
 
 
+def _lowrank_adamw_empty(dtype, backend):
+    """Empty params whose moments are not empty: a [0, n] tensor at side LEFT has moments
+    [r, n], a [m, 0] one at side RIGHT [m, r]; they see a zero projected gradient."""
+    gen = torch.Generator().manual_seed(5)
+    specs = [((0, 5), LEFT, (0, 1), (1, 5)), ((5, 0), RIGHT, (1, 0), (5, 1)),
+             ((0, 3, 4), LEFT, (0, 2), (2, 12))]
+    lists = [[], [], [], [], [], []]
+    for shape, side, proj, state in specs:
+        p = torch.empty(shape, dtype=dtype)
+        parts = (p, p.clone(), torch.randn(state, generator=gen) * 0.1,
+                 torch.rand(state, generator=gen) * 0.1, torch.zeros(proj), side)
+        for lst, part in zip(lists, parts):
+            lst.append(part)
+    return tuple(lists), dict(LOWRANK_ADAMW_HYPER)
+
+
 def _lowrank_adamw_errors():
     def case(name, change, error, match, **overrides):
         def make():
@@ -709,6 +725,7 @@ LOWRANK_ADAMW_STEP = OpInfo(
                       _lowrank_adamw_one(shape, rank, side, state_free=rule), steps=3)
           for shape, rank, side in LOWRANK_SHAPES for rule in STATE_FREE_RULES),
         SampleInput("many small tensors", _lowrank_adamw_many, steps=5, first_step=2),
+        SampleInput("empty params, moments that are not", _lowrank_adamw_empty, steps=2),
     ),
     error_inputs=_lowrank_adamw_errors(),
     opcheck_inputs=(("two tensors", _lowrank_adamw_opcheck),),

@@ -25,12 +25,12 @@ from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
-from frugal_kernels._layout import (LEFT, RIGHT, SIDES, STATE_FREE_RULES, projection_rank,
-                                    projection_shapes)
+from frugal_kernels._layout import (DTYPE_CODES, LEFT, RIGHT, SIDES, STATE_FREE_RULES,
+                                    matrix_shape, projection_rank, projection_shapes)
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (Scalar, addresses, as_scalar_tensor, check_amp,
                                         check_batch, check_finite, check_no_overlap,
-                                        check_scalars, kernel_batch, skipped_on_host)
+                                        check_scalars, kernel_batch, numels, skipped_on_host)
 from frugal_kernels.ops.adamw import check_adamw_hyper
 from frugal_kernels.ops.frugal_step import FrugalHyper
 
@@ -107,36 +107,41 @@ def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
           beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
           state_free: str, state_free_scale: float, grad_scale: Optional[Tensor],
           found_inf: Optional[Tensor], backend: str) -> None:
-    """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`)."""
+    """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`).
+
+    Empty params are stepped too: their moments see a zero projected gradient when
+    the projected side is not the empty one (a [0, n] tensor at side LEFT has
+    moments [r, n]), as the reference's GEMMs give them."""
     check_scalars(OP, lr, step)
-    if skipped_on_host(found_inf):
+    if skipped_on_host(found_inf) or not params:
         return
-    lists = (params, grads, exp_avgs, exp_avg_sqs, projections, sides)
-    keep = [i for i, p in enumerate(params) if p.numel() > 0]
-    if not keep:
-        return
-    if len(keep) < len(params):
-        # Empty tensors have nothing to update.
-        lists = tuple([lst[i] for i in keep] for lst in lists)
-    t = Tensors(*lists)._replace(grads=[g.contiguous() for g in lists[1]])
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
-    impl(t, FrugalHyper(lr, beta1, beta2, eps, weight_decay, step, state_free, state_free_scale,
-                        grad_scale, found_inf))
+    impl(Tensors(params, [g.contiguous() for g in grads], exp_avgs, exp_avg_sqs, projections,
+                 sides),
+         FrugalHyper(lr, beta1, beta2, eps, weight_decay, step, state_free, state_free_scale,
+                     grad_scale, found_inf))
 
 
 _lowrank_adamw_step_op.register_fake(_check)
 
 
+def _lowrank_batch(ext, params: Sequence[Tensor], projections: Sequence[Tensor],
+                   sides: Sequence[int]):
+    """Each tensor's matrix shape, rank and side, and its projection, as the kernel's
+    ``LowrankBatch``."""
+    shapes = [matrix_shape(p.shape) for p in params]
+    return ext.LowrankBatch(projections=addresses(projections), rows=[m for m, _ in shapes],
+                            cols=[n for _, n in shapes],
+                            rank=[projection_rank(proj, side)
+                                  for proj, side in zip(projections, sides)],
+                            sides=list(sides))
+
+
 def _cpu(t: Tensors, h: FrugalHyper) -> None:
     ext = extension()
-    rows = [p.shape[0] for p in t.params]
-    ext.lowrank_adamw_step_cpu(
-        kernel_batch(ext, t.params, t.grads, t.exp_avgs, t.exp_avg_sqs),
-        ext.LowrankBatch(projections=addresses(t.projections), rows=rows,
-                         cols=[p.numel() // r for p, r in zip(t.params, rows)],
-                         rank=[projection_rank(proj, side) for proj, side in zip(t.projections, t.sides)],
-                         sides=t.sides),
-        h.kernel(ext), torch.get_num_threads())
+    ext.lowrank_adamw_step_cpu(kernel_batch(ext, t.params, t.grads, t.exp_avgs, t.exp_avg_sqs),
+                               _lowrank_batch(ext, t.params, t.projections, t.sides),
+                               h.kernel(ext), torch.get_num_threads())
 
 
 def _torch(t: Tensors, h: FrugalHyper) -> None:
@@ -144,6 +149,54 @@ def _torch(t: Tensors, h: FrugalHyper) -> None:
 
 
 _IMPLS = {"cpu": _cpu, "torch": _torch}
+
+
+class Prepared:
+    """The op over the same params, moments and projections, called again and again with
+    new gradients and scalars (the optimizers' plans, between two subspace changes).
+
+    Made from a call that was checked; what the kernel needs of the tensors that do not
+    change between calls (addresses, matrix shapes, ranks, sides) is gathered once, and a
+    call gathers only the gradients'. A step of LLaMA-130M's 84 low-rank tensors spent
+    about 250 us of host time doing that per call (fused AdamW's whole step: ~800 us).
+    Valid while those tensors live and keep their memory: a plan is rebuilt whenever a
+    subspace change, a loaded state dict or new parameter data may have replaced them.
+    Not for torch.compile (its graphs call the registered op)."""
+
+    def __init__(self, params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+                 projections: List[Tensor], sides: List[int], backend: str):
+        self.tensors = Tensors(params, [], exp_avgs, exp_avg_sqs, projections, list(sides))
+        self.mutated = [*params, *exp_avgs, *exp_avg_sqs]
+        self.backend = _dispatch.resolve(backend, params[0].device, OP) if params else "torch"
+        if self.backend == "cpu":
+            ext = extension()
+            self.dtype = DTYPE_CODES[params[0].dtype]
+            self.numel = numels(params)
+            self.addresses = [addresses(lst) for lst in (params, exp_avgs, exp_avg_sqs)]
+            self.lowrank = _lowrank_batch(ext, params, projections, sides)
+
+    def __call__(self, grads: List[Tensor], *, lr: Tensor, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, step: Tensor, state_free: str,
+                 state_free_scale: float, grad_scale: Optional[Tensor] = None,
+                 found_inf: Optional[Tensor] = None) -> None:
+        lr, step = lr.reshape(()), step.reshape(())
+        check_scalars(OP, lr, step)
+        if skipped_on_host(found_inf) or not grads:
+            return
+        grads = [g.contiguous() for g in grads]
+        h = FrugalHyper(lr, float(beta1), float(beta2), float(eps), float(weight_decay), step,
+                        state_free, float(state_free_scale), grad_scale, found_inf)
+        if self.backend == "cpu":
+            ext = extension()
+            params, exp_avgs, exp_avg_sqs = self.addresses
+            batch = ext.TensorBatch(dtype=self.dtype, numel=self.numel, params=params,
+                                    grads=addresses(grads), exp_avgs=exp_avgs,
+                                    exp_avg_sqs=exp_avg_sqs)
+            ext.lowrank_adamw_step_cpu(batch, self.lowrank, h.kernel(ext),
+                                       torch.get_num_threads())
+        else:
+            _IMPLS[self.backend](self.tensors._replace(grads=grads), h)
+        torch._C._increment_version(self.mutated)
 
 
 def lowrank_adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor],

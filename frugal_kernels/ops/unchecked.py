@@ -24,7 +24,7 @@ from frugal_kernels.ops import (adamw, dqt_update, frugal_step, lowrank_adamw_st
                                 sign_sgd)
 
 __all__ = ["adamw_", "dqt_update_", "frugal_step_", "lowrank_adamw_step_", "lowrank_step_",
-           "sign_sgd_"]
+           "prepare_lowrank_adamw_step_", "sign_sgd_"]
 
 
 def _mutated(*lists: Sequence[Tensor]) -> None:
@@ -87,6 +87,16 @@ def lowrank_adamw_step_(params: List[Tensor], grads: List[Tensor], exp_avgs: Lis
                              float(weight_decay), step.reshape(()), state_free,
                              float(state_free_scale), grad_scale, found_inf, backend)
     _mutated(params, exp_avgs, exp_avg_sqs)
+
+
+def prepare_lowrank_adamw_step_(params: List[Tensor], exp_avgs: List[Tensor],
+                                exp_avg_sqs: List[Tensor], projections: List[Tensor],
+                                sides: List[int], *, backend: str = "auto"
+                                ) -> lowrank_adamw_step.Prepared:
+    """:func:`lowrank_adamw_step_` over these tensors, to be called with each step's
+    gradients and scalars (:class:`frugal_kernels.ops.lowrank_adamw_step.Prepared`)."""
+    return lowrank_adamw_step.Prepared(params, exp_avgs, exp_avg_sqs, projections, sides,
+                                       backend)
 
 
 def dqt_update_(codes: List[Tensor], scales: List[Tensor], grads: List[Tensor],

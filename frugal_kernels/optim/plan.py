@@ -19,7 +19,11 @@ checked (same storage, shape and dtype), take the ops' unchecked faces
 (:mod:`frugal_kernels.ops.unchecked`: the same kernels without the per-tensor
 checks and torch.library's Python dispatch), except under torch.compile, whose
 graphs call the registered ops. What can change between steps (the gradients,
-the options and lr) is checked by the optimizer at every step.
+the options and lr) is checked by the optimizer at every step. The one-call
+low-rank step of small matrices goes further: its unchecked call is prepared
+once per bucket (:class:`frugal_kernels.ops.lowrank_adamw_step.Prepared`: the
+moments and projections are the plan's until it is rebuilt), and a step hands
+it the gradients and scalars only.
 """
 
 from __future__ import annotations
@@ -278,20 +282,26 @@ def _lowrank_fused(bucket: Bucket, params, grads, state, backend, calls, amp) ->
     """The whole low-rank step of the bucket's small matrices in one op call."""
     group = bucket.group
     beta1, beta2 = group["betas"]
+    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                 weight_decay=group["weight_decay"],
+                 state_free="none" if bucket.assignment.full_rank else group["state_free"],
+                 state_free_scale=group["state_free_lr_scale"], **amp)
+    if calls is unchecked:
+        # The bucket's moments and projections are the plan's until it is rebuilt (at
+        # every subspace change and state dict load), and run checks its params: the
+        # call is prepared once, as long as the checks hold (run clears the cache).
+        prepared = bucket.cache.get("prepared")
+        if prepared is None:
+            _, m, v, _ = _moments(bucket, state)
+            prepared = bucket.cache["prepared"] = unchecked.prepare_lowrank_adamw_step_(
+                params, m, v, [state[p]["projection"] for p in bucket.params],
+                [lowrank_side(p.shape) for p in bucket.params], backend=backend)
+        prepared(grads, step=state[bucket.params[0]]["step"], **hyper)
+        return
     states, m, v, step = _moments(bucket, state)
-    sides = bucket.cache.get("sides")
-    if sides is None:
-        sides = [lowrank_side(p.shape) for p in bucket.params]
-        if calls is unchecked:
-            # Kept while the bucket's params keep their shapes (which run checks). Not
-            # from a compiled graph: a guard on the cache would recompile the next step.
-            bucket.cache["sides"] = sides
-    rule = "none" if bucket.assignment.full_rank else group["state_free"]
     calls.lowrank_adamw_step_(params, grads, m, v, [st["projection"] for st in states],
-                              sides, lr=bucket.lr, beta1=beta1, beta2=beta2,
-                              eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                              state_free=rule, state_free_scale=group["state_free_lr_scale"],
-                              backend=backend, **amp)
+                              [lowrank_side(p.shape) for p in bucket.params], step=step,
+                              backend=backend, **hyper)
 
 
 def _empty_subsets(bucket: Bucket):

@@ -256,12 +256,20 @@ def test_both_lowrank_paths_follow_the_loop_reference(projection, fused, monkeyp
     """Small matrices on the CPU take one lowrank_adamw_step_ per bucket; larger ones
     (here: every one, with the bound at 0) torch's GEMMs, adamw_ and lowrank_step_."""
     calls = {"lowrank_adamw_step_": 0, "lowrank_step_": 0}
+
+    def counted(name, face):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return face(*args, **kwargs)
+        return call
+
     for module in (fk.ops, unchecked):
         for name in calls:
-            def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
-                calls[_name] += 1
-                return _real(*args, **kwargs)
-            monkeypatch.setattr(module, name, counted)
+            monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    # The steady steps' calls are prepared ones (made once per bucket).
+    prepare = unchecked.prepare_lowrank_adamw_step_
+    monkeypatch.setattr(unchecked, "prepare_lowrank_adamw_step_",
+                        lambda *a, **k: counted("lowrank_adamw_step_", prepare(*a, **k)))
     if not fused:
         monkeypatch.setattr(projections, "FUSED_MAX_MACS", 0)
     steps = 13
