@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import _quant
-from frugal_kernels._layout import back_project, inverse_grad_scale, matrix_shape
+from frugal_kernels._layout import back_project, inverse_grad_scale, matrix_shape, project
 
 def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     """``g`` in fp32 with GradScaler's scale divided out as its unscale_ does: times the
@@ -27,8 +27,8 @@ def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     return g32 * inverse_grad_scale(torch.tensor(grad_scale, dtype=torch.float64))
 
 
-__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "dqt_update_",
-           "dequantize", "quant_matmul"]
+__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
+           "dqt_update_", "dequantize", "quant_matmul"]
 
 
 
@@ -235,6 +235,44 @@ def lowrank_step_(
                                    scale=state_free_scale, state_free=state_free)
         new_p = new_p + back_project(u, proj, side)
         p.copy_(new_p.reshape(p.shape))
+
+
+@torch.no_grad()
+def lowrank_adamw_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    projections: Sequence[Tensor],
+    sides: Sequence[int],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+    state_free: str = "sign",
+    state_free_scale: float = 1.0,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
+) -> None:
+    """A whole low-rank FRUGAL step: the projected gradient ``low = P^T g`` (of the
+    unscaled gradient: the stored one projected, then unscaled), AdamW with ``low`` on
+    the compact moments, whose update (lr applied, no decay) is what AdamW leaves in a
+    zero parameter, then :func:`lowrank_step_` with that update and ``low``."""
+    if found_inf:
+        return
+    for p, g, m, v, proj, side in zip(params, grads, exp_avgs, exp_avg_sqs, projections, sides):
+        low = project(g, proj, side)
+        if grad_scale is not None:
+            low = low * inverse_grad_scale(torch.tensor(grad_scale, dtype=torch.float64))
+        update = torch.zeros_like(low)
+        adamw_([update], [low], [m], [v], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+               weight_decay=0.0, step=step)
+        lowrank_step_([p], [g], [update], [low], [proj], [side], lr=lr,
+                      weight_decay=weight_decay, state_free=state_free,
+                      state_free_scale=state_free_scale, grad_scale=grad_scale)
 
 
 @torch.no_grad()

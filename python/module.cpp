@@ -221,6 +221,30 @@ struct Subsets {
   }
 };
 
+// The projections of a lowrank_adamw_step_ call, one per tensor of its batch.
+struct Projections {
+  std::vector<const float*> projections;
+  Sizes rows, cols, rank, sides;
+
+  Projections(const Addresses& proj, Sizes r, Sizes c, Sizes k, Sizes sd)
+      : projections(as_pointers<const float*>(proj)), rows(std::move(r)), cols(std::move(c)),
+        rank(std::move(k)), sides(std::move(sd)) {
+    check_count("LowrankBatch rows", rows.size(), projections.size());
+    check_count("LowrankBatch cols", cols.size(), projections.size());
+    check_count("LowrankBatch rank", rank.size(), projections.size());
+    check_count("LowrankBatch sides", sides.size(), projections.size());
+    for (int64_t side : sides) {
+      if (side != 0 && side != 1) throw py::value_error("LowrankBatch: a side is 0 or 1");
+    }
+  }
+
+  cpu::LowrankBatch view(const Batch& b) const {
+    check_count("LowrankBatch projections", projections.size(), b.numel.size());
+    return cpu::LowrankBatch{projections.data(), rows.data(), cols.data(), rank.data(),
+                             sides.data()};
+  }
+};
+
 // The quantization of the weights of a dqt_update_ call, one entry per tensor.
 struct Quant {
   std::vector<const float*> scales;
@@ -302,6 +326,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, bool, const Addresses&, Sizes, Sizes, Sizes>(), py::kw_only(),
            py::arg("kind"), py::arg("index_is_int32"), py::arg("indices"), py::arg("rows"),
            py::arg("cols"), py::arg("k"));
+  py::class_<Projections>(m, "LowrankBatch")
+      .def(py::init<const Addresses&, Sizes, Sizes, Sizes, Sizes>(), py::kw_only(),
+           py::arg("projections"), py::arg("rows"), py::arg("cols"), py::arg("rank"),
+           py::arg("sides"));
   py::class_<Quant>(m, "QuantBatch")
       .def(py::init<const Addresses&, Sizes, Sizes, Sizes, const std::vector<uint32_t>&>(),
            py::kw_only(), py::arg("scales"), py::arg("scale_count"), py::arg("rows"),
@@ -391,6 +419,13 @@ PYBIND11_MODULE(_C, m) {
     const auto ug = as_pointers<const float*>(up_grads);
     py::gil_scoped_release nogil;
     cpu::lowrank_step(t, uu.data(), ug.data(), b.dtype, h, num_threads);
+  });
+  m.def("lowrank_adamw_step_cpu", [](const Batch& b, const Projections& l, const FrugalHyper& h,
+                                     int num_threads) {
+    const cpu::TensorBatch t = b.view_with_moments();
+    const cpu::LowrankBatch lb = l.view(b);
+    py::gil_scoped_release nogil;
+    cpu::lowrank_adamw_step(t, lb, b.dtype, h, num_threads);
   });
 
   // The batch's params are the packed codes and its dtype the gradients'.

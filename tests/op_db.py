@@ -611,6 +611,129 @@ LOWRANK_STEP = OpInfo(
     compare=compare_lowrank, tensor_scalar_sample="many tensors",
 )
 
+# ---------------------------------------------------------------- lowrank_adamw_step_
+
+LOWRANK_ADAMW_HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                           state_free_scale=0.5)
+
+
+def lowrank_adamw_case(shape, rank, side, dtype=torch.float32, seed=0):
+    """(param, grad, exp_avg, exp_avg_sq, projection) of one tensor seen as [m, n], with
+    moments of earlier steps."""
+    p, g, _, low_grad, proj = lowrank_case(shape, rank, side, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    m = torch.randn(low_grad.shape, generator=gen) * 0.1
+    v = torch.rand(low_grad.shape, generator=gen) * 0.1
+    return p, g, m, v, proj
+
+
+def compare_lowrank_adamw(actual, expected, dtype, what):
+    """The params as lowrank_step_'s (signs of residuals near zero may flip); the
+    moments, which see the projected gradient only, to GEMM rounding: relative to the
+    largest moment (an entry can be the small difference of two large products)."""
+    if what == "params":
+        compare_lowrank(actual, expected, dtype, what)
+        return
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e.numel():
+            apart = (a - e).abs().max().item()
+            assert apart <= 1e-5 * max(1.0, e.abs().max().item()), f"{what}[{i}]: {apart:.3g}"
+
+
+def _lowrank_adamw_lists(specs, dtype):
+    cases = [lowrank_adamw_case(s, r, side, dtype, seed=i) for i, (s, r, side) in enumerate(specs)]
+    return (*([c[k] for c in cases] for k in range(5)), [side for _, _, side in specs])
+
+
+def _lowrank_adamw_one(shape, rank, side, **options):
+    def make(dtype, backend):
+        return _lowrank_adamw_lists([(shape, rank, side)], dtype), \
+            {**LOWRANK_ADAMW_HYPER, **options}
+    return make
+
+
+def _lowrank_adamw_many(dtype, backend):
+    # Three stacks' worth of LLaMA-like small shapes and a full-rank one, with an empty
+    # tensor among them.
+    specs = [((16, 6), 2, RIGHT), ((6, 16), 2, LEFT), ((6, 6), 2, RIGHT), ((16, 6), 2, RIGHT),
+             ((0, 6), 1, RIGHT), ((12, 12), 12, LEFT)]
+    # An lr that float32 holds exactly: the tensor-scalar test passes it as a float32
+    # tensor, and 0.01 rounded to float32 gives another AdamW step size at step 2.
+    return _lowrank_adamw_lists(specs, dtype), {**LOWRANK_ADAMW_HYPER, "lr": 2**-7,
+                                                "state_free": "sgd"}
+
+
+def _lowrank_adamw_empty(dtype, backend):
+    """Empty params whose moments are not empty: a [0, n] tensor at side LEFT has moments
+    [r, n], a [m, 0] one at side RIGHT [m, r]; they see a zero projected gradient."""
+    gen = torch.Generator().manual_seed(5)
+    specs = [((0, 5), LEFT, (0, 1), (1, 5)), ((5, 0), RIGHT, (1, 0), (5, 1)),
+             ((0, 3, 4), LEFT, (0, 2), (2, 12))]
+    lists = [[], [], [], [], [], []]
+    for shape, side, proj, state in specs:
+        p = torch.empty(shape, dtype=dtype)
+        parts = (p, p.clone(), torch.randn(state, generator=gen) * 0.1,
+                 torch.rand(state, generator=gen) * 0.1, torch.zeros(proj), side)
+        for lst, part in zip(lists, parts):
+            lst.append(part)
+    return tuple(lists), dict(LOWRANK_ADAMW_HYPER)
+
+
+def _lowrank_adamw_errors():
+    def case(name, change, error, match, **overrides):
+        def make():
+            args = _lowrank_adamw_lists([((12, 8), 3, RIGHT)], torch.float32)
+            return change(*args), {**LOWRANK_ADAMW_HYPER, "step": 1, **overrides}
+        return ErrorInput(name, make, error, match)
+
+    same = (lambda *a: a)
+    return (
+        case("1-D tensor", lambda p, g, m, v, P, s: ([p[0][0]], [g[0][0]], m, v, P, s),
+             ValueError, "1 dims"),
+        case("moment shape", lambda p, g, m, v, P, s: (p, g, [m[0][:5]], v, P, s),
+             ValueError, "exp_avgs[0] has shape"),
+        case("moment dtype", lambda p, g, m, v, P, s: (p, g, m, [v[0].double()], P, s),
+             TypeError, "exp_avg_sqs[0] has dtype"),
+        case("projection dtype", lambda p, g, m, v, P, s: (p, g, m, v, [P[0].double()], s),
+             ValueError, "must be a float32 matrix"),
+        case("non-contiguous projection",
+             lambda p, g, m, v, P, s: (p, g, m, v, [P[0].t().contiguous().t()], s),
+             ValueError, "projections[0] is not contiguous"),
+        case("wrong side", lambda p, g, m, v, P, s: (p, g, m, v, P, [LEFT]), ValueError,
+             "must have shape"),
+        case("side value", lambda p, g, m, v, P, s: (p, g, m, v, P, [7]), ValueError,
+             "sides[0] must be"),
+        case("sides length", lambda p, g, m, v, P, s: (p, g, m, v, P, [RIGHT, RIGHT]),
+             ValueError, "2 sides"),
+        case("step 0", same, ValueError, "step counts updates from 1", step=0),
+        case("beta", same, ValueError, "beta2", beta2=1.0),
+        case("state_free", same, ValueError, "state_free must be", state_free="adam"),
+    )
+
+
+def _lowrank_adamw_opcheck():
+    args = _lowrank_adamw_lists([((12, 8), 3, RIGHT), ((5, 9), 2, LEFT)], torch.float32)
+    return (*args, torch.tensor(1e-2), 0.9, 0.999, 1e-8, 0.1, torch.tensor(3.0), "sign", 0.5,
+            *grad_scaler_args(), "auto")
+
+
+LOWRANK_ADAMW_STEP = OpInfo(
+    name="lowrank_adamw_step_", op=ops.lowrank_adamw_step_, ref=reference.lowrank_adamw_step_,
+    outputs=("params", "exp_avgs", "exp_avg_sqs"), output_positions=(0, 2, 3), num_lists=6,
+    samples=(
+        *(SampleInput(f"{shape} rank={rank} {_side_name(side)} state_free={rule}",
+                      _lowrank_adamw_one(shape, rank, side, state_free=rule), steps=3)
+          for shape, rank, side in LOWRANK_SHAPES for rule in STATE_FREE_RULES),
+        SampleInput("many small tensors", _lowrank_adamw_many, steps=5, first_step=2),
+        SampleInput("empty params, moments that are not", _lowrank_adamw_empty, steps=2),
+    ),
+    error_inputs=_lowrank_adamw_errors(),
+    opcheck_inputs=(("two tensors", _lowrank_adamw_opcheck),),
+    empty_kwargs={**LOWRANK_ADAMW_HYPER, "step": 1},
+    compare=compare_lowrank_adamw, counts_steps=True, tensor_scalar_sample="many small tensors",
+    isa_variants=({"state_free": "sign"}, {"state_free": "sgd"}),
+)
+
 # ---------------------------------------------------------------- dqt_update_
 
 DQT_HYPER = dict(lr=2e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, rng_step=11)
@@ -736,7 +859,7 @@ DQT_UPDATE = OpInfo(
     grad_position=2,
 )
 
-OPS = (ADAMW, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP, DQT_UPDATE)
+OPS = (ADAMW, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP, LOWRANK_ADAMW_STEP, DQT_UPDATE)
 
 # The ops outside the table: out of place and not optimizer steps (no lists, no lr
 # or step), which the generic tests do not fit; each gets the table's checks

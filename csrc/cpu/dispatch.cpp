@@ -21,6 +21,8 @@ struct Level {
   void (*frugal_step)(const TensorBatch&, const SubsetBatch&, DType, const FrugalScalars&, int);
   void (*lowrank_step)(const TensorBatch&, const float* const*, const float* const*, DType,
                        const SignScalars&, StateFree, int);
+  void (*lowrank_adamw_step)(const TensorBatch&, const LowrankBatch&, DType, const FrugalScalars&,
+                             int);
   void (*dqt_update)(const TensorBatch&, const SubsetBatch&, const QuantBatch&, DType,
                      const FrugalScalars&, int, uint32_t, int);
   void (*dequantize)(const uint8_t*, const float*, int64_t, int64_t, int64_t, int, void*, DType,
@@ -42,7 +44,7 @@ bool has_avx512() {
 
 #define FK_LEVEL(ns, supported) \
   Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step, \
-        ns::dqt_update, ns::dequantize }
+        ns::lowrank_adamw_step, ns::dqt_update, ns::dequantize }
 
 const Level kLevels[] = {
 #if defined(FK_HAVE_X86_LEVELS)
@@ -136,6 +138,12 @@ void lowrank_step(const TensorBatch& t, const float* const* up_updates, const fl
   active().lowrank_step(t, up_updates, up_grads, dtype,
                         sign_scalars(h.lr, h.weight_decay, h.state_free_scale, h.grad_scale),
                         h.state_free, num_threads);
+}
+
+void lowrank_adamw_step(const TensorBatch& t, const LowrankBatch& l, DType dtype,
+                        const FrugalHyper& h, int num_threads) {
+  if (h.adamw.found_inf != 0.0) return;
+  active().lowrank_adamw_step(t, l, dtype, frugal_scalars(h), num_threads);
 }
 
 void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q, DType grad_dtype,

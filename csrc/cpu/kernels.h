@@ -43,6 +43,18 @@ struct QuantBatch {
   const uint32_t* seeds;
 };
 
+// The projections of a lowrank_adamw_step_ call, one per tensor of its batch: the tensor
+// seen as a row-major matrix [rows, cols], its projection P [rank, cols] (side 0, right:
+// orthonormal rows) or [rows, rank] (side 1, left: orthonormal columns), and its moments
+// [rows, rank] or [rank, cols] in the batch's exp_avgs / exp_avg_sqs.
+struct LowrankBatch {
+  const float* const* projections;
+  const int64_t* rows;
+  const int64_t* cols;
+  const int64_t* rank;
+  const int64_t* sides;
+};
+
 struct FrugalScalars {
   AdamWScalars adamw;
   SignScalars state_free;
@@ -66,6 +78,8 @@ FK_HOST_DEVICE FrugalScalars frugal_scalars(const FrugalHyper& h) {
   void lowrank_step(const TensorBatch& t, const float* const* up_updates,                     \
                     const float* const* up_grads, DType dtype, const SignScalars& s,          \
                     StateFree mode, int num_threads);                                         \
+  void lowrank_adamw_step(const TensorBatch& t, const LowrankBatch& l, DType dtype,           \
+                          const FrugalScalars& s, int num_threads);                           \
   void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,           \
                   DType grad_dtype, const FrugalScalars& s, int bits, uint32_t rng_step,      \
                   int num_threads);                                                           \
@@ -100,6 +114,10 @@ void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, cons
 // p = (p * decay - lr * scale * rule(g - up_grad)) + up_update, fp32 buffers.
 void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,
                   DType dtype, const LowrankHyper& h, int num_threads);
+// A whole low-rank FRUGAL step (projection, AdamW on the compact moments, back-projection,
+// the state-free rule on the residual), its GEMMs as plain loops: for small matrices.
+void lowrank_adamw_step(const TensorBatch& t, const LowrankBatch& l, DType dtype,
+                        const FrugalHyper& h, int num_threads);
 
 // DQT's step on packed INT-n weights: dequantize, frugal_step (AdamW on the
 // subset, the state-free rule elsewhere), round stochastically, pack.

@@ -10,6 +10,8 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
   of rows, columns or coordinates with compact moments, SignSGD elsewhere;
 - :func:`lowrank_step_` — the weight update of FRUGAL's low-rank projections:
   back-projections, the state-free rule on the residual and weight decay;
+- :func:`lowrank_adamw_step_` — a whole low-rank FRUGAL step (projection, AdamW
+  in the subspace, then lowrank_step_'s update) of many small matrices in one call;
 - :func:`dqt_update_` — DQT's step on packed INT-n weights: dequantize, the
   FRUGAL (or AdamW, or SignSGD) update, stochastic rounding, pack;
 - :func:`dequantize` — packed INT-n codes back to the float weight (the read
@@ -26,12 +28,13 @@ from frugal_kernels.ops.adamw import adamw_
 from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
+from frugal_kernels.ops.lowrank_adamw_step import lowrank_adamw_step_
 from frugal_kernels.ops.lowrank_step import lowrank_step_
 from frugal_kernels.ops.quant_matmul import quant_matmul
 from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
-__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "dqt_update_", "dequantize",
-           "quant_matmul",
+__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
+           "dqt_update_", "dequantize", "quant_matmul",
            "BACKENDS", "CAPABILITIES",
            "resolve", "usable_backends"]

@@ -29,6 +29,8 @@ CAPABILITIES = {
     "frugal::frugal_step_": frozenset(BACKENDS),
     # The GEMMs run in torch (cpu) or in the Triton kernel; no CUDA-C version.
     "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),
+    # The whole low-rank step with its GEMMs as plain loops: for small matrices on the CPU.
+    "frugal::lowrank_adamw_step_": frozenset(("cpu", "torch")),
     "frugal::dqt_update_": frozenset(BACKENDS),
     "frugal::dequantize": frozenset(("cpu", "triton", "torch")),
     # QuantLinear's CPU path is its own blocked dequantize-then-GEMM: no C++ kernel.

@@ -20,9 +20,11 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from frugal_kernels.ops import adamw, dqt_update, frugal_step, lowrank_step, sign_sgd
+from frugal_kernels.ops import (adamw, dqt_update, frugal_step, lowrank_adamw_step, lowrank_step,
+                                sign_sgd)
 
-__all__ = ["adamw_", "dqt_update_", "frugal_step_", "lowrank_step_", "sign_sgd_"]
+__all__ = ["adamw_", "dqt_update_", "frugal_step_", "lowrank_adamw_step_", "lowrank_step_",
+           "prepare_lowrank_adamw_step_", "sign_sgd_"]
 
 
 def _mutated(*lists: Sequence[Tensor]) -> None:
@@ -72,6 +74,29 @@ def lowrank_step_(params: List[Tensor], grads: List[Tensor], low_updates: List[T
                        [int(s) for s in sides], lr.reshape(()), float(weight_decay), state_free,
                        float(state_free_scale), grad_scale, found_inf, backend)
     _mutated(params)
+
+
+def lowrank_adamw_step_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                        exp_avg_sqs: List[Tensor], projections: List[Tensor], sides: List[int], *,
+                        lr: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+                        step: Tensor, state_free: str = "sign", state_free_scale: float = 1.0,
+                        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
+                        backend: str = "auto") -> None:
+    lowrank_adamw_step.apply(params, grads, exp_avgs, exp_avg_sqs, projections, sides,
+                             lr.reshape(()), float(beta1), float(beta2), float(eps),
+                             float(weight_decay), step.reshape(()), state_free,
+                             float(state_free_scale), grad_scale, found_inf, backend)
+    _mutated(params, exp_avgs, exp_avg_sqs)
+
+
+def prepare_lowrank_adamw_step_(params: List[Tensor], exp_avgs: List[Tensor],
+                                exp_avg_sqs: List[Tensor], projections: List[Tensor],
+                                sides: List[int], *, backend: str = "auto"
+                                ) -> lowrank_adamw_step.Prepared:
+    """:func:`lowrank_adamw_step_` over these tensors, to be called with each step's
+    gradients and scalars (:class:`frugal_kernels.ops.lowrank_adamw_step.Prepared`)."""
+    return lowrank_adamw_step.Prepared(params, exp_avgs, exp_avg_sqs, projections, sides,
+                                       backend)
 
 
 def dqt_update_(codes: List[Tensor], scales: List[Tensor], grads: List[Tensor],

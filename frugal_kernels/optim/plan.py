@@ -19,7 +19,11 @@ checked (same storage, shape and dtype), take the ops' unchecked faces
 (:mod:`frugal_kernels.ops.unchecked`: the same kernels without the per-tensor
 checks and torch.library's Python dispatch), except under torch.compile, whose
 graphs call the registered ops. What can change between steps (the gradients,
-the options and lr) is checked by the optimizer at every step.
+the options and lr) is checked by the optimizer at every step. The one-call
+low-rank step of small matrices goes further: its unchecked call is prepared
+once per bucket (:class:`frugal_kernels.ops.lowrank_adamw_step.Prepared`: the
+moments and projections are the plan's until it is rebuilt), and a step hands
+it the gradients and scalars only.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class Assignment:
     subset_kind: str = ""                    # subset: rows, columns or flat
     index_dtype: Optional[torch.dtype] = None  # subset: every call takes one index dtype
     full_rank: bool = False                  # lowrank at full rank: no residual
+    fused: bool = False                      # lowrank: the whole step in one op call
     bits: int = 0                            # dqt: the code width of every weight of the call
 
     @property
@@ -254,6 +259,9 @@ def _subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
 
 
 def _lowrank(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+    if bucket.assignment.fused and backend in _FUSED_BACKENDS:
+        _lowrank_fused(bucket, params, grads, backend, calls, amp)
+        return
     group = bucket.group
     beta1, beta2 = group["betas"]
     states, m, v, step = _moments(bucket)
@@ -292,6 +300,36 @@ def _lowrank(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     calls.lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=bucket.lr,
                       weight_decay=group["weight_decay"], state_free=rule,
                       state_free_scale=group["state_free_lr_scale"], backend=backend, **amp)
+
+
+# The backends of lowrank_adamw_step_ (a forced triton backend takes the other path).
+_FUSED_BACKENDS = ("auto", "cpu", "torch")
+
+
+def _lowrank_fused(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+    """The whole low-rank step of the bucket's small matrices in one op call."""
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                 weight_decay=group["weight_decay"],
+                 state_free="none" if bucket.assignment.full_rank else group["state_free"],
+                 state_free_scale=group["state_free_lr_scale"], **amp)
+    if calls is unchecked:
+        # The bucket's moments and projections are the plan's until it is rebuilt (at
+        # every subspace change and state dict load), and run checks its params: the
+        # call is prepared once, as long as the checks hold (run clears the cache).
+        prepared = bucket.cache.get("prepared")
+        if prepared is None:
+            states, m, v, _ = _moments(bucket)
+            prepared = bucket.cache["prepared"] = unchecked.prepare_lowrank_adamw_step_(
+                params, m, v, [st["projection"] for st in states],
+                [lowrank_side(p.shape) for p in bucket.params], backend=backend)
+        prepared(grads, step=bucket.states[0]["step"], **hyper)
+        return
+    states, m, v, step = _moments(bucket)
+    calls.lowrank_adamw_step_(params, grads, m, v, [st["projection"] for st in states],
+                              [lowrank_side(p.shape) for p in bucket.params], step=step,
+                              backend=backend, **hyper)
 
 
 def _empty_subsets(bucket: Bucket):

@@ -28,7 +28,8 @@ from frugal_kernels.ops._common import kernel_batch, subset_batch
 
 from frugal_kernels._quant import QUANT_BITS
 
-from ..op_db import OPS, SampleInput, dqt_case, frugal_case, lowrank_case
+from ..op_db import (OPS, SampleInput, dqt_case, frugal_case, lowrank_adamw_case,
+                     lowrank_case)
 from .helpers import DTYPES, make_batch
 
 # 1, primes, and 2^k +- 1 around the CPU kernels' block (2048) and chunk (2^15).
@@ -142,6 +143,27 @@ def lowrank_step_call(draw, backend):
 
 
 @st.composite
+def lowrank_adamw_step_call(draw, backend):
+    dtype = draw(st.sampled_from(DTYPES))
+    lists = [[], [], [], [], [], []]
+    for i in range(draw(st.integers(1, 3))):
+        shape = (draw(st.sampled_from([s for s in SIZES if 2 <= s <= 257])),
+                 draw(st.sampled_from([s for s in SIZES if 2 <= s <= 257])))
+        side = lowrank_side(shape)
+        # Below the full rank, as for lowrank_step_.
+        rank = draw(st.integers(1, min(lowrank_dim(shape) - 1, 16)))
+        case = lowrank_adamw_case(shape, rank, side, dtype, seed=draw(st.integers(0, 99)) + i)
+        for lst, part in zip(lists, (*case, side)):
+            lst.append(part)
+    hyper = dict(lr=draw(lr()), beta1=draw(st.floats(0.0, 0.99)),
+                 beta2=draw(st.floats(0.9, 0.9999)), eps=draw(st.floats(1e-10, 1e-6)),
+                 weight_decay=draw(st.floats(0.0, 0.2)),
+                 state_free=draw(st.sampled_from(STATE_FREE_RULES)),
+                 state_free_scale=draw(st.floats(0.1, 2.0)))
+    return tuple(lists), hyper, dtype
+
+
+@st.composite
 def dqt_update_call(draw, backend):
     kind = draw(st.sampled_from(SUBSET_KINDS))
     bits = draw(st.sampled_from(QUANT_BITS))
@@ -170,7 +192,7 @@ def dqt_update_call(draw, backend):
 
 CALLS = {"adamw_": adamw_call, "sign_sgd_": sign_sgd_call, "sgd_": sgd_call,
          "frugal_step_": frugal_step_call, "lowrank_step_": lowrank_step_call,
-         "dqt_update_": dqt_update_call}
+         "lowrank_adamw_step_": lowrank_adamw_step_call, "dqt_update_": dqt_update_call}
 
 
 def test_every_op_has_a_strategy():

@@ -53,9 +53,22 @@ def _lowrank_step(p, g, gen):
                                      backend="cpu"), []
 
 
+def _lowrank_adamw_step(p, g, gen):
+    mats = [(x, y) for x, y in zip(p, g) if x.dim() >= 2]
+    ps, gs = [x for x, _ in mats], [y for _, y in mats]
+    sides = [lowrank_side(x.shape) for x in ps]
+    projs = [subspace.make_projection("random", y, 2, gen) for y in gs]
+    lows = [project(y, proj, side) for y, proj, side in zip(gs, projs, sides)]
+    m = [torch.randn(low.shape, generator=gen) * 0.1 for low in lows]
+    v = [torch.rand(low.shape, generator=gen) * 0.01 for low in lows]
+    return lambda: ops.lowrank_adamw_step_(ps, gs, m, v, projs, sides, lr=LR, beta1=BETA1,
+                                           beta2=BETA2, eps=EPS, weight_decay=WD, step=STEP,
+                                           backend="cpu"), m + v
+
+
 CASES = {"adamw_": _adamw, "sign_sgd_": _sign_sgd, "frugal_step_[rows]": _frugal_step("rows"),
          "frugal_step_[columns]": _frugal_step("columns"), "frugal_step_[flat]": _frugal_step("flat"),
-         "lowrank_step_": _lowrank_step}
+         "lowrank_step_": _lowrank_step, "lowrank_adamw_step_": _lowrank_adamw_step}
 
 
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b.values[0] == "cpu"])

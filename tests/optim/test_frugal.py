@@ -5,6 +5,8 @@ import torch
 
 import frugal_kernels as fk
 from frugal_kernels._layout import RIGHT, lowrank_side
+from frugal_kernels.ops import unchecked
+from frugal_kernels.optim import projections
 from frugal_kernels.optim.projections import FAMILIES, CoordinateSubset
 from frugal_kernels.optim.subspace import PROJECTIONS
 
@@ -246,3 +248,32 @@ def test_training_a_model_lowers_the_loss():
         opt.zero_grad()
         first = first if first is not None else loss.item()
     assert loss.item() < 0.8 * first
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-call", "gemms-and-two-ops"])
+@pytest.mark.parametrize("projection", ["random", "svd"])
+def test_both_lowrank_paths_follow_the_loop_reference(projection, fused, monkeypatch):
+    """Small matrices on the CPU take one lowrank_adamw_step_ per bucket; larger ones
+    (here: every one, with the bound at 0) torch's GEMMs, adamw_ and lowrank_step_."""
+    calls = {"lowrank_adamw_step_": 0, "lowrank_step_": 0}
+
+    def counted(name, face):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return face(*args, **kwargs)
+        return call
+
+    for module in (fk.ops, unchecked):
+        for name in calls:
+            monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    # The steady steps' calls are prepared ones (made once per bucket).
+    prepare = unchecked.prepare_lowrank_adamw_step_
+    monkeypatch.setattr(unchecked, "prepare_lowrank_adamw_step_",
+                        lambda *a, **k: counted("lowrank_adamw_step_", prepare(*a, **k)))
+    if not fused:
+        monkeypatch.setattr(projections, "FUSED_MAX_MACS", 0)
+    steps = 13
+    params, ref = _reference_run(projection, reset_state=True, steps=steps)
+    _assert_matches(params, ref, projection)
+    assert calls == ({"lowrank_adamw_step_": steps, "lowrank_step_": 0} if fused
+                     else {"lowrank_adamw_step_": 0, "lowrank_step_": steps})

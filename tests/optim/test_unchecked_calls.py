@@ -53,12 +53,27 @@ class _Counting:
         self._module, self._calls = module, calls
 
     def __getattr__(self, name):
-        face = getattr(self._module, name)
+        if name.startswith("prepare_"):
+            return self._prepare(name[len("prepare_"):])
+        return self._counted(name, getattr(self._module, name))
 
+    def _counted(self, name, face):
         def call(*args, **kwargs):
             self._calls.append(name)
-            face(*args, **kwargs)
+            return face(*args, **kwargs)
         return call
+
+    def _prepare(self, op):
+        """A prepared call (its tensors once, gradients and scalars at each call). The
+        registered ops have none: their counterpart is the op over the same tensors."""
+        def prepare(params, *rest, backend):
+            made = getattr(self._module, f"prepare_{op}", None)
+            if made is not None:
+                return self._counted(op, made(params, *rest, backend=backend))
+            face = getattr(self._module, op)
+            return self._counted(op, lambda grads, **kwargs: face(params, grads, *rest,
+                                                                   backend=backend, **kwargs))
+        return prepare
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
