@@ -136,6 +136,42 @@ def _lowrank_step_cases(params, dtype, rho):
                    backends=tuple(sorted(ops.CAPABILITIES["frugal::lowrank_step_"])))]
 
 
+SMALL_SIDE, SMALL_RANK = 64, 16  # the small matrices lowrank_adamw_step_ is for
+
+
+@register("lowrank_adamw_step_")
+def _lowrank_adamw_step_cases(params, dtype, rho):
+    """The param set cut into 64 x 64 matrices at rank 16: the op does the whole low-rank
+    step of small matrices in one call (FRUGAL sends it those of rows * cols * rank up
+    to 2**16), where the per-tensor calls of the other path cost more than the math."""
+    gen = torch.Generator().manual_seed(3)
+    side_numel = SMALL_SIDE * SMALL_SIDE
+    mats = [chunk.view(SMALL_SIDE, SMALL_SIDE) for p in params
+            for chunk in p.view(-1)[: p.numel() // side_numel * side_numel].split(side_numel)]
+    grads = _like(mats)
+    projs, m, v, sides = [], [], [], []
+    for g in grads:
+        proj = subspace.make_projection("random", g, SMALL_RANK, gen)
+        side = lowrank_side(g.shape)
+        low = project(g, proj, side)
+        projs.append(proj)
+        sides.append(side)
+        m.append(torch.zeros(low.shape, device=g.device))
+        v.append(torch.zeros(low.shape, device=g.device))
+    n = sum(t.numel() for t in mats)
+    moments = sum(t.numel() for t in m)
+
+    def run(backend):
+        return lambda: ops.lowrank_adamw_step_(mats, grads, m, v, projs, sides, lr=1e-4,
+                                               beta1=0.9, beta2=0.999, eps=1e-8,
+                                               weight_decay=0.01, step=10, backend=backend)
+    # p read and written, g read, the compact moments read and written; like lowrank_step_
+    # it is compute-bound (its GEMMs), so its roofline fraction is low by nature.
+    return [OpCase("lowrank_adamw_step_", f"{SMALL_SIDE}x{SMALL_SIDE} rank {SMALL_RANK}",
+                   n * 3 * params[0].element_size() + moments * 16, run,
+                   backends=tuple(sorted(ops.CAPABILITIES["frugal::lowrank_adamw_step_"])))]
+
+
 @register("dqt_update_")
 def _dqt_update_cases(params, dtype, rho, bits: int = 4):
     """The params' shapes as 4-bit codes with per-row scales; ``dtype`` is the
