@@ -104,6 +104,11 @@ def optimizer_factories(model: nn.Module) -> Dict[str, Callable[[], torch.optim.
         "torch_adamw_foreach": lambda: torch.optim.AdamW(params, foreach=True, **hyper),
         # The same torch.optim.AdamW stepping on frugal::adamw_ (frugal_kernels.swap).
         "torch_adamw_swapped": lambda: fk.swap(torch.optim.AdamW(params, **hyper)),
+        # SGD with momentum, torch's two paths and the same SGD on frugal::sgd_.
+        "torch_sgd_fused": lambda: torch.optim.SGD(params, momentum=0.9, fused=True, **hyper),
+        "torch_sgd_foreach": lambda: torch.optim.SGD(params, momentum=0.9, foreach=True,
+                                                     **hyper),
+        "torch_sgd_swapped": lambda: fk.swap(torch.optim.SGD(params, momentum=0.9, **hyper)),
         "frugal_blocks": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25, **hyper),
         "frugal_blocks_all_projected": lambda: fk.FRUGAL(_all_projected(model), density=0.25,
                                                          **hyper),
