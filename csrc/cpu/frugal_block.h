@@ -176,8 +176,8 @@ inline __m256i fp16_bits(__m512 x) {
 }
 
 // The low halves of 16 32-bit lanes into the `lanes` of p. Kept apart from the
-// store: the compiler folds them into a masked vpmovdw to memory, which is
-// microcoded (it made a bf16 block 25% slower on Zen 4).
+// store: the compiler folds them into a masked vpmovdw to memory, microcoded on
+// Intel cores and the hottest instruction of a bf16 block in a profile on Zen 4.
 template <typename T>
 inline void narrow_store(T* p, __mmask16 lanes, __m512i x) {
   __m256i narrow = _mm512_cvtepi32_epi16(x);
@@ -233,10 +233,9 @@ inline void prefetch_next_block(const T* x) {
 // One pass over the block that reads p and g once from memory: the member
 // values go to bp and bg in member order (fp32; each buffer has kLanes spare
 // entries for the last full-width store) and the others get the state-free
-// rule. Fusing the two keeps the block's first touch of memory in a loop
-// short enough to stay ahead of the loads: as separate passes (a compress,
-// then the state-free loop over the whole block) columns and flat ran at
-// 55% and 45% of the in-place roofline in fp32, 33% and 24% in bf16.
+// rule. One pass where there were two (a compress, then the state-free loop
+// over the whole block, which also computed the members' state-free values
+// only for the expand to overwrite them).
 template <typename T, StateFree Mode>
 inline void split(T* p, const T* g, const uint16_t* lanes, int64_t len, const SignScalars& s,
                   float* bp, float* bg) {
@@ -259,8 +258,9 @@ inline void split(T* p, const T* g, const uint16_t* lanes, int64_t len, const Si
 }
 
 // Compress and expand act on registers, with plain full-width stores and
-// loads: their memory forms are microcoded and slow on Intel cores. The
-// compiler folds a load into the expand unless it is kept apart.
+// loads: their memory forms are microcoded on Intel cores, and the folded
+// vexpandps was the hottest instruction of the merge in a profile on Zen 4.
+// The compiler folds a load into the expand unless it is kept apart.
 inline __m512i packed_lanes(const void* src) {
   __m512i packed = _mm512_loadu_si512(src);
   asm("" : "+v"(packed));
