@@ -86,7 +86,7 @@ def _bench(args: argparse.Namespace) -> int:
                        with_overhead="overhead" in sections and not args.no_overhead,
                        with_dqt="dqt" in sections,
                        with_in_backward="in_backward" in sections and not args.no_in_backward,
-                       preset=args.preset, rounds=args.rounds,
+                       preset=args.preset, rounds=args.rounds, dtypes=args.dtypes,
                        command="frugal-kernels " + " ".join(sys.argv[1:]))
     print(markdown(result))
     print("wrote " + ", ".join(result["files"]))
@@ -429,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_argument("--ops", nargs="+", metavar="OP", choices=OP_NAMES,
                        help=f"only these ops, from {', '.join(OP_NAMES)}")
+    bench.add_argument("--dtypes", nargs="+", metavar="DTYPE", choices=("float32", "bfloat16", "float16"),
+                       help="parameter dtypes of the op sweep, from float32, bfloat16, float16 "
+                            "(default float32 with --quick, else float32 and bfloat16)")
     bench.add_argument("--no-ops", action="store_true", help="skip the op sweep")
     bench.add_argument("--no-optimizers", action="store_true", help="skip the optimizer steps")
     bench.add_argument("--no-overhead", action="store_true",

@@ -255,6 +255,7 @@ BAD_ARGUMENTS = [
     (["demo", "--device", "tpu"], "not a device"),
     (["bench", "--ops", "nosuch"], "--ops"),
     (["bench", "--rounds", "-1"], "--rounds"),
+    (["bench", "--dtypes", "int8"], "--dtypes"),
     (["bench", "--preset", "7b"], "--preset"),
     (["train", "--warmup-steps", "50", "--steps", "10"], "warmup_steps"),
     (["train", "--fsdp"], "--fsdp runs under torchrun"),

@@ -62,12 +62,9 @@ void run_rows(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,
   const G* grad = static_cast<const G*>(t.grads[i]);
   const Index* idx = static_cast<const Index*>(sub.indices[i]);
   const SubsetShape shape{sub.kind, sub.rows[i], sub.cols[i], sub.k[i]};
-  std::vector<uint64_t> columns;
+  ColumnLanes columns;
 #if defined(__AVX512F__)
-  if (shape.kind == SubsetKind::kColumns) {
-    columns.assign(size_t(shape.cols / 64 + 2), 0);
-    for (int64_t j = 0; j < shape.k; ++j) columns[size_t(idx[j] >> 6)] |= uint64_t(1) << (idx[j] & 63);
-  }
+  if (shape.kind == SubsetKind::kColumns) columns = ColumnLanes(idx, shape.k, shape.cols);
 #endif
   alignas(64) float w[kBlock];
   alignas(64) float gbuf[kBlock];
@@ -85,7 +82,7 @@ void run_rows(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,
       dequantize_fields(fields, n, qmax, scale, w);
       const float* g = as_fp32(grad + a, n, gbuf);
       const Block<float, Index, Mode> block{w, g, t.exp_avgs[i], t.exp_avg_sqs[i], idx, shape, s,
-                                            columns.data(), a};
+                                            &columns, a};
       guess = block(a, a + n, guess);
       quantize(w, n, qmax, scale, key, a, fields);
       pack_fields(fields, bits, n, bytes);

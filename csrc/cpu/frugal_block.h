@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 #include "loops.h"
@@ -43,20 +44,9 @@ FK_NOVECTOR inline void scatter(T* __restrict__ p, const int32_t* __restrict__ p
   for (int64_t i = 0; i < n; ++i) p[pos[i]] = from_float<T>(values[i]);
 }
 
-#if defined(__AVX512F__)
-// With AVX-512 the members of a block move by compress and expand under a
-// lane mask, 16 lanes at a time, instead of one scalar load or store each:
-// the compact moments and the AdamW buffers are in member order, which is the
-// order compress and expand pack lanes in. The masks come from a bitmap of the
-// member columns (built once per chunk: every row has the same members) or
-// straight from the flat ids, so no member costs more than a bit. Compress
-// and expand act on registers, with plain full-width stores and loads: their
-// memory forms are microcoded and slow on Intel cores.
+// The member lanes of a block: bit i of word w says whether position 16 w + i
+// of the block is state-full. Read by the AVX-512 blocks only.
 constexpr int64_t kLanes = 16;
-
-inline __mmask16 head_lanes(int64_t left) {
-  return left >= kLanes ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-}
 
 // Bit c of a bitmap (64-bit words, one spare word at the end) and the 16 from c.
 inline uint32_t bits16(const uint64_t* bitmap, int64_t c) {
@@ -83,6 +73,52 @@ inline void column_lanes(const uint64_t* columns, int64_t C, int64_t a, int64_t 
   }
 }
 
+// The member lanes of the blocks of a [R, C] tensor whose member columns are
+// idx[0..k), built once per tensor (every row has the same members). When C is
+// a multiple of 16, the 16 lanes from any position that is one too are a
+// 16-bit word of the row's bitmap, so the lanes of such a block are a window
+// of the row's words repeated, with no work per block; shifting them out of
+// the bitmap per block took 20% of a columns step in fp32.
+class ColumnLanes {
+ public:
+  ColumnLanes() = default;
+  template <typename Index>
+  ColumnLanes(const Index* idx, int64_t k, int64_t C) : C_(C), bitmap_(size_t(C / 64 + 2), 0) {
+    for (int64_t j = 0; j < k; ++j) bitmap_[size_t(idx[j] >> 6)] |= uint64_t(1) << (idx[j] & 63);
+    if (C % kLanes != 0) return;
+    const int64_t row_words = C / kLanes;
+    words_.resize(size_t(row_words + kBlock / kLanes));
+    for (size_t i = 0; i < words_.size(); ++i) {
+      words_[i] = uint16_t(bits16(bitmap_.data(), int64_t(i) % row_words * kLanes));
+    }
+  }
+
+  // The lanes of the block [a, a + len) (len <= kBlock): a window of the
+  // table, or `scratch` filled.
+  const uint16_t* operator()(int64_t a, int64_t len, uint16_t* scratch) const {
+    const int64_t c = a % C_;
+    if (!words_.empty() && c % kLanes == 0) return words_.data() + c / kLanes;
+    column_lanes(bitmap_.data(), C_, a, len, scratch);
+    return scratch;
+  }
+
+ private:
+  int64_t C_ = 1;
+  std::vector<uint64_t> bitmap_;  // one spare word at the end, for bits16
+  std::vector<uint16_t> words_;   // C % 16 == 0: the row's words, then kBlock / 16 more
+};
+
+#if defined(__AVX512F__)
+// With AVX-512 the members of a block move by compress and expand under a
+// lane mask, 16 lanes at a time, instead of one scalar load or store each:
+// the compact moments and the AdamW buffers are in member order, which is the
+// order compress and expand pack lanes in. The masks come from the member
+// columns (ColumnLanes) or straight from the flat ids, so no member costs more
+// than a bit.
+inline __mmask16 head_lanes(int64_t left) {
+  return left >= kLanes ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+}
+
 // The member lanes of a block [a, a + len) from the ids of its n flat members:
 // a byte per position first, then 64 bytes to 64 bits with one test. Or-ing
 // each member's bit into a word in memory instead chains the members of a
@@ -101,7 +137,8 @@ inline void flat_lanes(const Index* ids, int64_t n, int64_t a, int64_t len, uint
   }
 }
 
-// 16 values of storage type T from p (the first `valid` of them), as fp32.
+// 16 values of storage type T from p (the first `valid` of them), as fp32:
+// the values to_float gives (fp16 through F16C, as loops.h converts it).
 inline __m512 load_lanes(const float* p, __mmask16 valid) { return _mm512_maskz_loadu_ps(valid, p); }
 inline __m512 load_lanes(const bf16* p, __mmask16 valid) {
   const __m256i h = _mm256_maskz_loadu_epi16(valid, p);
@@ -111,43 +148,147 @@ inline __m512 load_lanes(const fp16* p, __mmask16 valid) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
 }
 
-// The member values of p and g, in member order, into bp and bg (fp32; each
-// buffer has kLanes spare entries for the last full-width store).
+// from_float<bf16> on 16 lanes, the bits in the low half of 32-bit lanes:
+// round to nearest even, NaN to 0x7fc0.
+inline __m512i bf16_lanes(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), nan, _mm512_set1_epi32(0x7fc0));
+}
+
+// The two fp16 roundings of the scalar code, on 16 lanes. Both are F16C's
+// round to nearest even, which equals from_float<fp16> on every non-NaN value
+// (tests/ops/test_half_conversion.py); they differ in the NaN they give:
+// F16C keeps the payload (the state-free loops of loops.h convert so), while
+// from_float<fp16> gives sign | 0x7e00 (the AdamW results of a gathered
+// block have always been rounded so).
+inline __m256i f16c_bits(__m512 x) {
+  return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline __m256i fp16_bits(__m512 x) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16),
+                                        _mm512_set1_epi32(0x8000));
+  const __m256i quiet = _mm512_cvtepi32_epi16(_mm512_or_si512(sign, _mm512_set1_epi32(0x7e00)));
+  return _mm256_mask_blend_epi16(nan, f16c_bits(x), quiet);
+}
+
+// The low halves of 16 32-bit lanes into the `lanes` of p. Kept apart from the
+// store: the compiler folds them into a masked vpmovdw to memory, microcoded on
+// Intel cores and the hottest instruction of a bf16 block in a profile on Zen 4.
 template <typename T>
-inline void compress(const T* p, const T* g, const uint16_t* lanes, int64_t len, float* bp, float* bg) {
-  for (int64_t a = 0; a < len; a += kLanes) {
-    const __mmask16 valid = head_lanes(len - a);
-    const __mmask16 members = __mmask16(lanes[a / kLanes]) & valid;
-    _mm512_storeu_ps(bp, _mm512_maskz_compress_ps(members, load_lanes(p + a, valid)));
-    _mm512_storeu_ps(bg, _mm512_maskz_compress_ps(members, load_lanes(g + a, valid)));
-    const int count = __builtin_popcount(unsigned(members));
-    bp += count;
-    bg += count;
+inline void narrow_store(T* p, __mmask16 lanes, __m512i x) {
+  __m256i narrow = _mm512_cvtepi32_epi16(x);
+  asm("" : "+v"(narrow));
+  _mm256_mask_storeu_epi16(p, lanes, narrow);
+}
+
+// The `lanes` of x into p, rounded as the state-free loops round (F16C for fp16).
+inline void store_state_free(float* p, __mmask16 lanes, __m512 x) { _mm512_mask_storeu_ps(p, lanes, x); }
+inline void store_state_free(bf16* p, __mmask16 lanes, __m512 x) {
+  narrow_store(p, lanes, bf16_lanes(x));
+}
+inline void store_state_free(fp16* p, __mmask16 lanes, __m512 x) {
+  _mm256_mask_storeu_epi16(p, lanes, f16c_bits(x));
+}
+
+// 16 AdamW results as the bits from_float<T> gives them, in 32-bit lanes.
+inline __m512i adamw_lanes(__m512 x, bf16) { return bf16_lanes(x); }
+inline __m512i adamw_lanes(__m512 x, fp16) { return _mm512_cvtepu16_epi32(fp16_bits(x)); }
+
+// state_free_update<Mode> (update_rules.h) on 16 lanes: the same operations
+// in the same order, so the same bits.
+template <StateFree Mode>
+inline __m512 state_free_lanes(__m512 p, __m512 g, const SignScalars& s) {
+  g = _mm512_mul_ps(g, _mm512_set1_ps(s.inv_grad_scale));
+  p = _mm512_mul_ps(p, _mm512_set1_ps(s.decay));
+  if constexpr (Mode == StateFree::kSign) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __mmask16 positive = _mm512_cmp_ps_mask(g, zero, _CMP_GT_OQ);
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
+    const __m512 sign = _mm512_mask_blend_ps(
+        positive, _mm512_mask_blend_ps(negative, zero, _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
+    return _mm512_sub_ps(p, _mm512_mul_ps(_mm512_set1_ps(s.step), sign));
+  } else if constexpr (Mode == StateFree::kSgd) {
+    return _mm512_sub_ps(p, _mm512_mul_ps(_mm512_set1_ps(s.step), g));
+  } else {
+    return p;
   }
 }
 
+// The cache line a block further on than x, into L2. This pass is a block's
+// only touch of memory (the AdamW and merge passes work in L1), so without it
+// the loads of a block wait while the previous one computes; one block ahead
+// into L1 evicted the block in use and was slower. Prefetches never fault, so
+// past the end of a tensor one is only a wasted request (hence the address
+// arithmetic on integers).
+template <typename T>
+inline void prefetch_next_block(const T* x) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(x) + kBlock * sizeof(T)),
+               _MM_HINT_T1);
+}
+
+// One pass over the block that reads p and g once from memory: the member
+// values go to bp and bg in member order (fp32; each buffer has kLanes spare
+// entries for the last full-width store) and the others get the state-free
+// rule. One pass where there were two (a compress, then the state-free loop
+// over the whole block, which also computed the members' state-free values
+// only for the expand to overwrite them).
+template <typename T, StateFree Mode>
+inline void split(T* p, const T* g, const uint16_t* lanes, int64_t len, const SignScalars& s,
+                  float* bp, float* bg) {
+  for (int64_t a = 0; a < len; a += kLanes) {
+    const __mmask16 valid = head_lanes(len - a);
+    const __mmask16 members = __mmask16(lanes[a / kLanes]) & valid;
+    if (a % (64 / int64_t(sizeof(T))) == 0) {
+      prefetch_next_block(p + a);
+      prefetch_next_block(g + a);
+    }
+    const __m512 vp = load_lanes(p + a, valid);
+    const __m512 vg = load_lanes(g + a, valid);
+    _mm512_storeu_ps(bp, _mm512_maskz_compress_ps(members, vp));
+    _mm512_storeu_ps(bg, _mm512_maskz_compress_ps(members, vg));
+    const int count = __builtin_popcount(unsigned(members));
+    bp += count;
+    bg += count;
+    store_state_free(p + a, __mmask16(valid & ~members), state_free_lanes<Mode>(vp, vg, s));
+  }
+}
+
+// Compress and expand act on registers, with plain full-width stores and
+// loads: their memory forms are microcoded on Intel cores, and the folded
+// vexpandps was the hottest instruction of the merge in a profile on Zen 4.
+// The compiler folds a load into the expand unless it is kept apart.
+inline __m512i packed_lanes(const void* src) {
+  __m512i packed = _mm512_loadu_si512(src);
+  asm("" : "+v"(packed));
+  return packed;
+}
+
 // The AdamW results of bp (member order) over the member positions of p.
-inline void expand(float* p, const uint16_t* lanes, int64_t len, int64_t, const float* bp) {
+inline void merge(float* p, const uint16_t* lanes, int64_t len, int64_t, float* bp) {
   for (int64_t a = 0; a < len; a += kLanes) {
     const __mmask16 members = __mmask16(lanes[a / kLanes]) & head_lanes(len - a);
-    _mm512_mask_storeu_ps(p + a, members, _mm512_maskz_expand_ps(members, _mm512_loadu_ps(bp)));
+    _mm512_mask_storeu_ps(p + a, members,
+                          _mm512_maskz_expand_ps(members, _mm512_castsi512_ps(packed_lanes(bp))));
     bp += __builtin_popcount(unsigned(members));
   }
 }
 
-// 16-bit storage: the n results are rounded to T first (a contiguous loop that
-// vectorises), then expanded as 32-bit lanes and narrowed on the store.
+// 16-bit storage: the n results are rounded to T in place first (n / 16
+// conversions instead of one per 16 positions), then expanded as 32-bit lanes
+// and narrowed on the store.
 template <typename T>
-inline void expand(T* p, const uint16_t* lanes, int64_t len, int64_t n, const float* bp) {
-  uint32_t bits[kBlock + kLanes];
-  for (int64_t i = 0; i < n; ++i) bits[i] = from_float<T>(bp[i]).bits;
-  const uint32_t* src = bits;
+inline void merge(T* p, const uint16_t* lanes, int64_t len, int64_t n, float* bp) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    _mm512_storeu_si512(bp + i, adamw_lanes(_mm512_loadu_ps(bp + i), T{}));
+  }
   for (int64_t a = 0; a < len; a += kLanes) {
     const __mmask16 members = __mmask16(lanes[a / kLanes]) & head_lanes(len - a);
-    const __m512i wide = _mm512_maskz_expand_epi32(
-        members, _mm512_loadu_si512(static_cast<const void*>(src)));
-    _mm256_mask_storeu_epi16(p + a, members, _mm512_cvtepi32_epi16(wide));
-    src += __builtin_popcount(unsigned(members));
+    narrow_store(p + a, members, _mm512_maskz_expand_epi32(members, packed_lanes(bp)));
+    bp += __builtin_popcount(unsigned(members));
   }
 }
 #endif
@@ -161,7 +302,7 @@ struct Block {
   const Index* idx;
   SubsetShape shape;
   FrugalScalars s;
-  const uint64_t* columns;  // bitmap of the member columns (kColumns with AVX-512), else null
+  const ColumnLanes* columns;  // kColumns with AVX-512, else null
   // The flat position that p[0] and g[0] hold: 0 when they are the whole
   // tensor, the segment's first position when they are buffers of a segment.
   int64_t origin = 0;
@@ -210,16 +351,16 @@ struct Block {
     const int64_t slot = tm.slot_base + tm.q_begin;
 #if defined(__AVX512F__)
     float bp[kBlock + kLanes], bg[kBlock + kLanes];
-    uint16_t lanes[kBlock / kLanes];
+    uint16_t scratch[kBlock / kLanes];
+    const uint16_t* lanes = scratch;
     if (shape.kind == SubsetKind::kColumns) {
-      column_lanes(columns, shape.cols, a, b - a, lanes);
+      lanes = (*columns)(a, b - a, scratch);
     } else {
-      flat_lanes(idx + tm.outer_base + tm.q_begin, n, a, b - a, lanes);
+      flat_lanes(idx + tm.outer_base + tm.q_begin, n, a, b - a, scratch);
     }
-    compress(p_at(a), g_at(a), lanes, b - a, bp, bg);
+    split<T, Mode>(p_at(a), g_at(a), lanes, b - a, s.state_free, bp, bg);
     adamw_range(bp, bg, m + slot, v + slot, n, s.adamw);
-    state_free_range<T, Mode>(p_at(a), g_at(a), b - a, s.state_free);
-    expand(p_at(a), lanes, b - a, n, bp);
+    merge(p_at(a), lanes, b - a, n, bp);
 #else
     int32_t pos[kBlock];
     float bp[kBlock], bg[kBlock];

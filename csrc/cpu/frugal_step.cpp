@@ -16,18 +16,22 @@ namespace {
 
 template <typename T, typename Index, StateFree Mode>
 void run_batch(const TensorBatch& t, const SubsetBatch& sub, const FrugalScalars& s, int num_threads) {
+  // The member lanes of each columns tensor, built once before the chunks
+  // (every row, so every chunk, has the same members).
+  std::vector<ColumnLanes> columns;
+#if defined(__AVX512F__)
+  if (sub.kind == SubsetKind::kColumns) {
+    for (int64_t i = 0; i < t.count; ++i) {
+      columns.emplace_back(static_cast<const Index*>(sub.indices[i]), sub.k[i], sub.cols[i]);
+    }
+  }
+#endif
   for_each_chunk(t.count, t.numel, kChunk, num_threads, [&](int64_t i, int64_t b, int64_t e) {
     const Index* idx = static_cast<const Index*>(sub.indices[i]);
     const SubsetShape shape{sub.kind, sub.rows[i], sub.cols[i], sub.k[i]};
-    std::vector<uint64_t> columns;
-#if defined(__AVX512F__)
-    if (shape.kind == SubsetKind::kColumns) {
-      columns.assign(size_t(shape.cols / 64 + 2), 0);
-      for (int64_t j = 0; j < shape.k; ++j) columns[size_t(idx[j] >> 6)] |= uint64_t(1) << (idx[j] & 63);
-    }
-#endif
     const Block<T, Index, Mode> block{typed<T>(t.params[i]), typed<T>(t.grads[i]), t.exp_avgs[i],
-                                      t.exp_avg_sqs[i], idx, shape, s, columns.data()};
+                                      t.exp_avg_sqs[i], idx, shape, s,
+                                      columns.empty() ? nullptr : &columns[size_t(i)]};
     int64_t guess = uniform_guess(block.shape, b / block.shape.cols);
     for (int64_t a = b; a < e; a += kBlock) guess = block(a, std::min(e, a + kBlock), guess);
   });

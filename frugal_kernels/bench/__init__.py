@@ -31,7 +31,8 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
         with_optimizers: bool = True, with_overhead: bool = True, with_in_backward: bool = True,
         with_dqt: bool = True,
         preset: Optional[str] = None,
-        rounds: Optional[int] = None, command: str = "") -> dict:
+        rounds: Optional[int] = None, dtypes: Optional[Sequence[str]] = None,
+        command: str = "") -> dict:
     """Run the benchmark sweep and write its results; returns them as a dict."""
     from tqdm.auto import tqdm
 
@@ -46,9 +47,10 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
         numels = [1 << 22] if quick else [1 << 20, 1 << 24]
         if dev.type == "cuda" and not quick:
             numels.append(1 << 27)
-        dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
-        with tqdm(total=len(numels) * len(dtypes), desc="ops", unit="config") as bar:
-            result["ops"] = _ops.sweep(device=dev, numels=numels, dtypes=dtypes, rounds=rounds,
+        op_dtypes = ([getattr(torch, name) for name in dtypes] if dtypes else
+                     [torch.float32] if quick else [torch.float32, torch.bfloat16])
+        with tqdm(total=len(numels) * len(op_dtypes), desc="ops", unit="config") as bar:
+            result["ops"] = _ops.sweep(device=dev, numels=numels, dtypes=op_dtypes, rounds=rounds,
                                        op_names=op_names, progress=bar)
     if with_optimizers:
         preset = preset or ("20m" if quick else "130m")
