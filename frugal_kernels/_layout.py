@@ -136,6 +136,12 @@ def inverse_grad_scale(grad_scale: Tensor) -> Tensor:
     return grad_scale.detach().reshape(()).double().reciprocal().float()
 
 
+def on_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """``t`` (a GradScaler tensor, a skip flag, a step count) on ``device``, where the op
+    that reads it runs: a copy only when it lives elsewhere; None stays None."""
+    return t if t is None or t.device == device else t.to(device)
+
+
 # ---------------------------------------------------------------- memory
 
 def row_chunk(n: int, num_shards: int, shard_rank: int) -> Tuple[int, int]:

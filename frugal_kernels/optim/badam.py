@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from frugal_kernels import ops
+from frugal_kernels._layout import on_device
 from frugal_kernels.optim import sharding
 from frugal_kernels.optim.base import check_nonfinite, first_nonfinite, skip_flag
 from frugal_kernels.optim.frugal import FRUGAL
@@ -380,9 +381,9 @@ class BAdam(torch.optim.Optimizer):
             ops.adamw_(targets, grads, [st["exp_avg"] for st in states],
                        [st["exp_avg_sq"] for st in states], lr=group["lr"], beta1=beta1,
                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                       step=_on(counts, device),
+                       step=on_device(counts, device),
                        grad_scale=grad_scale,
-                       found_inf=_on(found_inf, device), backend=self.backend)
+                       found_inf=on_device(found_inf, device), backend=self.backend)
             if dtype != torch.float32:
                 torch._foreach_copy_(ps, targets)
 
@@ -644,11 +645,6 @@ def _inner_pairs(inner: FRUGAL, inner_state: dict) -> List[Tuple[Tensor, Any]]:
     params = [p for g in inner.param_groups for p in g["params"]]
     ids = [pid for g in inner_state["param_groups"] for pid in g["params"]]
     return list(zip(params, ids))
-
-
-def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
-    """``t`` on ``device`` (a copy only when it lives elsewhere)."""
-    return t if t is None or t.device == device else t.to(device)
 
 
 def _saved_extra(state_dict: dict) -> dict:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from frugal_kernels import ops
-from frugal_kernels._layout import first_overlap
+from frugal_kernels._layout import first_overlap, on_device
 from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.memory import storage_bytes
 from frugal_kernels.optim.plan import Assignment, Bucket
@@ -250,7 +250,7 @@ class FusedOptimizer(Optimizer):
         if found_inf is None:
             return
         for device, steps in self._steps.items():
-            steps.sub_(found_inf if found_inf.device == device else found_inf.to(device))
+            steps.sub_(on_device(found_inf, device))
 
     def _shard_groups(self) -> List[Any]:
         """The process groups the DTensor parameters are sharded over, once each."""
@@ -315,8 +315,7 @@ class FusedOptimizer(Optimizer):
         for bucket, bucket_grads in zip(buckets, grads):
             device = bucket.params[0].device
             if device not in flags:
-                flags[device] = found_inf if found_inf is None or found_inf.device == device \
-                    else found_inf.to(device)
+                flags[device] = on_device(found_inf, device)
             plan.run(bucket, bucket_grads, self.backend, grad_scale, flags[device])
 
     def _fill_lrs(self) -> None:

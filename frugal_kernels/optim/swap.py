@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from frugal_kernels import ops
-from frugal_kernels._layout import inverse_grad_scale
+from frugal_kernels._layout import inverse_grad_scale, on_device
 from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
@@ -220,13 +220,14 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
         exp_avg_sqs = [local(optimizer.state[p]["exp_avg_sq"]) for p in params]
         params = [local(p) for p in params]
         device = params[0].device
-        kwargs = dict(weight_decay=weight_decay, maximize=maximize,
-                      grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device))
+        scale = on_device(grad_scale, device)
+        kwargs = dict(weight_decay=weight_decay, maximize=maximize, grad_scale=scale,
+                      found_inf=on_device(found_inf, device))
         if not decoupled and weight_decay != 0:
             # torch.optim.Adam: g = (-g if maximize) + weight_decay * p, then no decay;
             # the L2 term joins the unscaled gradient.
-            if grad_scale is not None:
-                grads = torch._foreach_mul(grads, inverse_grad_scale(_on(grad_scale, device)))
+            if scale is not None:
+                grads = torch._foreach_mul(grads, inverse_grad_scale(scale))
             if maximize:
                 grads = torch._foreach_neg(grads)
             grads = torch._foreach_add(grads, params, alpha=weight_decay)
@@ -236,7 +237,7 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
     if steps and found_inf is not None:
         # Queued after the update: a skipped step takes its count back (on the device).
         for device, device_steps in _by_device(steps).items():
-            torch._foreach_sub_(device_steps, _on(found_inf, device).reshape(()))
+            torch._foreach_sub_(device_steps, on_device(found_inf, device).reshape(()))
 
 
 def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
@@ -264,11 +265,6 @@ def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
     return split
 
 
-def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
-    """``t`` on ``device`` (a copy only when it lives elsewhere)."""
-    return t if t is None or t.device == device else t.to(device)
-
-
 # --------------------------------------------------------------------- SGD
 
 def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
@@ -284,8 +280,8 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
         for device, device_params in _by_device(params).items():
             ops.sgd_([local(p) for p in device_params],
                      [local(p.grad) for p in device_params], [],
-                     grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
-                     **hyper)
+                     grad_scale=on_device(grad_scale, device),
+                     found_inf=on_device(found_inf, device), **hyper)
         return
     # A param without a buffer starts it from its gradient: its own call.
     calls: Dict[Tuple[torch.device, bool], List[Tensor]] = defaultdict(list)
@@ -300,8 +296,8 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
     for (device, first), call_params in calls.items():
         ops.sgd_([local(p) for p in call_params], [local(p.grad) for p in call_params],
                  [local(optimizer.state[p]["momentum_buffer"]) for p in call_params],
-                 first_step=first, grad_scale=_on(grad_scale, device),
-                 found_inf=_on(found_inf, device), **hyper)
+                 first_step=first, grad_scale=on_device(grad_scale, device),
+                 found_inf=on_device(found_inf, device), **hyper)
 
 
 def _by_device(params: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
