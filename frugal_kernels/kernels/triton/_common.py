@@ -177,6 +177,21 @@ def find_tile(table, n_tensors):
 
 
 @triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of this program of a one-dimensional grid over the
+    [M, N] output (CUDA caps the second grid dimension at 65,535), the tiles in groups
+    of GROUP_M tile rows so that programs running together share their input tiles
+    in L2 (the usual Triton matmul order)."""
+    pid = tl.program_id(0)
+    tiles_m = (M + (BLOCK_M - 1)) // BLOCK_M  # not tl.cdiv, itself a @triton.jit helper
+    tiles_n = (N + (BLOCK_N - 1)) // BLOCK_N
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
 def lower_bound(idx_ptr, lo, hi, key):
     """First j in [lo, hi) with idx[j] >= key (hi if none), as frugal_tile.h ``lower_bound``."""
     while lo < hi:

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    amp_scalars, device_scalars, f64_bits, from_param, launch_table, sign_scalars, start, tail_f64,
-    tail_scalar, to_param)
+    amp_scalars, device_scalars, f64_bits, from_param, grouped_tile, launch_table, sign_scalars,
+    start, tail_f64, tail_scalar, to_param)
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
 from frugal_kernels._layout import RIGHT, STATE_FREE_CODES, projection_rank
 
@@ -110,16 +110,7 @@ def _lowrank_step_kernel(p_ptr, g_ptr, u_ptr, lg_ptr, proj_ptr, tail, M, N, R, d
         lr = tail_scalar(tail, 0)
         decay = (1.0 - lr * tail_f64(tail, 1)).to(tl.float32)
         step = (lr * tail_f64(tail, 2)).to(tl.float32)
-    # One grid dimension (CUDA caps the second at 65,535), tiles in groups of
-    # GROUP_M rows.
-    pid = tl.program_id(0)
-    tiles_m = (M + (BLOCK_M - 1)) // BLOCK_M  # not tl.cdiv, a @triton.jit helper (_common)
-    tiles_n = (N + (BLOCK_N - 1)) // BLOCK_N
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % per_group) % group_m
-    tile_n = (pid % per_group) // group_m
+    tile_m, tile_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # int64 offsets: M * N may pass 2^31.
     rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)

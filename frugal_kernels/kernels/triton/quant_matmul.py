@@ -29,7 +29,8 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from frugal_kernels.kernels.triton._common import check_device, from_param, interpreting, to_param
+from frugal_kernels.kernels.triton._common import (check_device, from_param, grouped_tile,
+                                                    interpreting, to_param)
 from frugal_kernels.kernels.triton.dequantize import load_codes
 
 # Not tuned on hardware yet (written without a GPU at hand): 64 x 64 output tiles,
@@ -52,15 +53,7 @@ def _quant_matmul_kernel(a_ptr, codes_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K
                          TRANSPOSE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):
-    # One grid dimension (CUDA caps the second at 65,535), tiles in groups of GROUP_M rows.
-    pid = tl.program_id(0)
-    tiles_m = (M + (BLOCK_M - 1)) // BLOCK_M  # not tl.cdiv, a @triton.jit helper (_common)
-    tiles_n = (N + (BLOCK_N - 1)) // BLOCK_N
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % per_group) % group_m
-    tile_n = (pid % per_group) // group_m
+    tile_m, tile_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # int64 offsets: M * N or a weight's size may pass 2^31.
     rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
