@@ -352,14 +352,16 @@ class QuantLinear(nn.Module):
     # ---------------------------------------------------------------- forward
 
     def forward(self, x: Tensor) -> Tensor:
+        return _QuantLinearFunction.apply(x, self.weight, self.codes, self.scale,
+                                          self._bias_for(x), self.bits)
+
+    def _bias_for(self, x: Tensor) -> Optional[Tensor]:
+        """The bias in ``x``'s dtype, once ``x`` is checked to fit the layer."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear: input of shape {tuple(x.shape)} for "
                              f"in_features={self.in_features}")
         bias = self.bias
-        if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)
-        return _QuantLinearFunction.apply(x, self.weight, self.codes, self.scale, bias,
-                                          self.bits)
+        return bias.to(x.dtype) if bias is not None and bias.dtype != x.dtype else bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

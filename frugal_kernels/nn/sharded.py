@@ -164,14 +164,8 @@ class ShardedQuantLinear(QuantLinear):
     shard: RowShard
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"QuantLinear: input of shape {tuple(x.shape)} for "
-                             f"in_features={self.in_features}")
-        bias = self.bias
-        if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)
-        return _ShardedQuantLinearFunction.apply(x, self.weight, self.codes, self.scale, bias,
-                                                 self.bits, self.shard,
+        return _ShardedQuantLinearFunction.apply(x, self.weight, self.codes, self.scale,
+                                                 self._bias_for(x), self.bits, self.shard,
                                                  self.scale_mode == "row")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
