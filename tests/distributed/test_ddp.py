@@ -12,7 +12,6 @@ comparison counts the coordinates that moved apart.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,8 @@ from torch import nn
 
 import frugal_kernels as fk
 from frugal_kernels.optim.subspace import PROJECTIONS
+
+from .helpers import fraction_apart, free_port
 
 STEPS = 6
 BATCH = 8  # global; each of the two ranks takes half
@@ -85,21 +86,11 @@ def _rank(rank, world, port, out):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ddp"))
-    mp.spawn(_rank, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
-
-
-def fraction_apart(a, b, tol=1e-5):
-    return float(((a - b).abs() > tol).float().mean())
 
 
 @pytest.mark.parametrize("kind, projection", CONFIGS, ids=[f"{k}-{p}" for k, p in CONFIGS])

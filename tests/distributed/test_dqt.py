@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
@@ -31,6 +30,8 @@ from torch import nn
 import frugal_kernels as fk
 from frugal_kernels._layout import row_chunk
 from frugal_kernels.nn import QuantLinear, QuantWeight, shard_quantized_
+
+from .helpers import free_port, load, save
 
 STEPS = 4
 CUT = 2  # checkpoints are taken after CUT steps
@@ -141,28 +142,6 @@ def fsdp(model, mesh):
         fully_shard(layer, mesh=mesh, ignored_params=weights)
     fully_shard(model, mesh=mesh, ignored_params=weights)
     return model
-
-
-def save(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=path)
-
-
-def load(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    model_sd = get_model_state_dict(model)
-    optim_sd = fk.optimizer_state_dict_template(model, opt, path)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_model_state_dict(model, model_sd)
-    set_optimizer_state_dict(model, opt, optim_sd)
 
 
 def result(model, opt, **extra):
@@ -300,12 +279,6 @@ def count_shard_collectives(mesh, rank, world):
     return phase
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dqt"))
@@ -315,7 +288,7 @@ def runs(tmp_path_factory):
         with one_thread():
             train_by_halves(model, opt, 0, CUT)
         save(model, opt, os.path.join(out, f"{name}-1"))
-    mp.spawn(_rank, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
     return out, ranks
 

@@ -16,7 +16,6 @@ part); the single-process runs and checkpoints are made in the test process.
 from __future__ import annotations
 
 import os
-import socket
 from collections import Counter
 
 import pytest
@@ -27,6 +26,8 @@ from torch import nn
 
 import frugal_kernels as fk
 from frugal_kernels.optim.subspace import PROJECTIONS
+
+from .helpers import fraction_apart, free_port, load, save
 
 STEPS = 6
 CUT = 3  # checkpoints are taken after CUT steps
@@ -116,28 +117,6 @@ def whole(state_dict):
             return {k: full(v) for k, v in value.items()}
         return value
     return full(state_dict)
-
-
-def save(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=path)
-
-
-def load(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    model_sd = get_model_state_dict(model)
-    optim_sd = fk.optimizer_state_dict_template(model, opt, path)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_model_state_dict(model, model_sd)
-    set_optimizer_state_dict(model, opt, optim_sd)
 
 
 class CollectiveCounter:
@@ -271,12 +250,6 @@ def _local_tensors(model, opt):
     return out + ([updates.clone()] if updates is not None else [])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def single(name, start=0, stop=STEPS, path=None, save_to=None, state_bytes=None):
     """One process on the whole batch, from a checkpoint when ``path`` is given."""
     model = Net(seed=0 if path is None else 5)
@@ -299,7 +272,7 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp"))
     for name in CONFIGS:
         single(name, 0, CUT, save_to=os.path.join(out, f"{name}-1"))
-    mp.spawn(_rank, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
     return out, ranks
 
@@ -317,10 +290,6 @@ def assert_same(a, b, where=""):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def fraction_apart(a, b, tol=1e-5):
-    return float(((a - b).abs() > tol).float().mean())
 
 
 def assert_close_run(params, reference, name):

@@ -23,7 +23,8 @@ from torch import nn
 
 import frugal_kernels as fk
 
-from .test_ddp import BATCH, _free_port, model
+from .helpers import free_port
+from .test_ddp import BATCH, model
 
 STEPS = 5
 CONFIGS = [("FRUGAL", "blocks"), ("FRUGAL", "svd"), ("AdaFRUGAL", "columns"), ("AdamW", "")]
@@ -136,7 +137,7 @@ def _fsdp2_refusal() -> str:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ddp_in_backward"))
-    mp.spawn(_rank, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
 
 

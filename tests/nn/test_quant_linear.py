@@ -93,6 +93,15 @@ def test_absmax_clips_nothing_and_absmean_clips(bits):
         assert clipped.float().mean() > 0.2
 
 
+def _dense_twin(layer, x):
+    """nn.functional.linear on the layer's dequantized weight and a copy of its bias and
+    of ``x``: the output, and the leaves (input, weight, bias) its gradients reach."""
+    w = layer.dequantize().requires_grad_(True)
+    b = layer.bias.detach().clone().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    return nn.functional.linear(x2, w, b), (x2, w, b)
+
+
 @pytest.mark.parametrize("block_values", [1 << 20, 64, 1])
 @pytest.mark.parametrize("bits,scale", [(4, "tensor"), (3, "row"), (2, "row"), (8, "tensor")])
 def test_forward_and_backward_equal_a_linear_on_the_dequantized_weight(monkeypatch, block_values,
@@ -102,10 +111,7 @@ def test_forward_and_backward_equal_a_linear_on_the_dequantized_weight(monkeypat
     layer = _layer(bits=bits, scale=scale)
     x = torch.randn(2, 5, 37, requires_grad=True)
     y = layer(x)
-    w = layer.dequantize().requires_grad_(True)
-    b = layer.bias.detach().clone().requires_grad_(True)
-    x2 = x.detach().clone().requires_grad_(True)
-    expected = nn.functional.linear(x2, w, b)
+    expected, (x2, w, b) = _dense_twin(layer, x)
     torch.testing.assert_close(y, expected)
     grad = torch.randn_like(y)
     y.backward(grad)
@@ -137,10 +143,7 @@ def test_the_fused_path_equals_a_linear_on_the_dequantized_weight(monkeypatch, b
     layer = _layer(bits=bits, scale=scale)
     x = torch.randn(2, 5, 37, requires_grad=True)
     y = layer(x)
-    w = layer.dequantize().requires_grad_(True)
-    b = layer.bias.detach().clone().requires_grad_(True)
-    x2 = x.detach().clone().requires_grad_(True)
-    expected = nn.functional.linear(x2, w, b)
+    expected, (x2, w, b) = _dense_twin(layer, x)
     torch.testing.assert_close(y, expected)
     y.sum().backward()  # an expanded gradient of stride 0 goes into the op as it is
     expected.sum().backward()

@@ -1,0 +1,41 @@
+"""What the distributed tests share: a port for the ranks to meet on, the
+checkpoint round trip through torch.distributed.checkpoint, and the measure of
+how far two runs are apart."""
+
+from __future__ import annotations
+
+import socket
+
+import frugal_kernels as fk
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save(model, opt, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+
+
+def load(model, opt, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model_sd = get_model_state_dict(model)
+    optim_sd = fk.optimizer_state_dict_template(model, opt, path)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_model_state_dict(model, model_sd)
+    set_optimizer_state_dict(model, opt, optim_sd)
+
+
+def fraction_apart(a, b, tol=1e-5):
+    return float(((a - b).abs() > tol).float().mean())
