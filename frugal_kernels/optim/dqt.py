@@ -18,6 +18,7 @@ from torch import Tensor
 
 from frugal_kernels import _quant
 from frugal_kernels.nn import QuantWeight
+from frugal_kernels.optim import sharding
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.plan import STATE_FREE, Assignment
 from frugal_kernels.optim.projections import DENSE, FAMILIES, Projection, Subspace
@@ -281,12 +282,9 @@ class DQT(FRUGAL):
     def _shard_groups(self) -> list:
         # The ranks see their own rows of the split weights' gradients: they decide a
         # non-finite skip together, as for FSDP2's parameters.
-        groups = super()._shard_groups()
-        for group in self.param_groups:
-            for p in self._sharded_weights(group["params"]):
-                if p.shard.num_shards > 1 and all(p.shard.group is not g for g in groups):
-                    groups.append(p.shard.group)
-        return groups
+        shards = [p.shard for group in self.param_groups
+                  for p in self._sharded_weights(group["params"]) if p.shard.num_shards > 1]
+        return sharding.process_groups([*self._layouts.values(), *shards])
 
     def _rng_step(self) -> int:
         return self._steps_taken

@@ -246,7 +246,8 @@ def layout_of(p: Tensor, name: str) -> Optional[ShardLayout]:
 
 
 def process_groups(layouts: Iterable["ShardLayout"]) -> List[object]:
-    """The process groups ``layouts`` are sharded over, once each."""
+    """The process groups ``layouts`` are sharded over, once each (anything with a
+    ``group`` counts: DQT's row shards, frugal_kernels.nn.sharded.RowShard, too)."""
     groups: List[object] = []
     for layout in layouts:
         if layout.group is not None and all(layout.group is not g for g in groups):
