@@ -203,12 +203,30 @@ def numels(tensors: Sequence[Tensor]) -> list:
     return [t.numel() for t in tensors]
 
 
+class GatheredBatch:
+    """A call's ``_C.TensorBatch`` but for its gradients: the dtype of params[0], the
+    sizes and the addresses of the params and moments, gathered once (a prepared call,
+    :mod:`frugal_kernels.ops.prepared`, keeps it across calls)."""
+
+    def __init__(self, params: Sequence[Tensor], exp_avgs: Sequence[Tensor] = (),
+                 exp_avg_sqs: Sequence[Tensor] = ()):
+        self.dtype = DTYPE_CODES[params[0].dtype]
+        self.numel = numels(params)
+        self.params = addresses(params)
+        self.exp_avgs = addresses(exp_avgs)
+        self.exp_avg_sqs = addresses(exp_avg_sqs)
+
+    def with_grads(self, ext: Any, grads: Sequence[int]) -> Any:
+        """The ``_C.TensorBatch`` with the gradients at ``grads`` (addresses)."""
+        return ext.TensorBatch(dtype=self.dtype, numel=self.numel, params=self.params,
+                               grads=grads, exp_avgs=self.exp_avgs,
+                               exp_avg_sqs=self.exp_avg_sqs)
+
+
 def kernel_batch(ext: Any, params: Sequence[Tensor], grads: Sequence[Tensor],
                  exp_avgs: Sequence[Tensor] = (), exp_avg_sqs: Sequence[Tensor] = ()) -> Any:
     """The tensors of one call as a ``_C.TensorBatch`` (the dtype of params[0])."""
-    return ext.TensorBatch(dtype=DTYPE_CODES[params[0].dtype], numel=numels(params),
-                           params=addresses(params), grads=addresses(grads),
-                           exp_avgs=addresses(exp_avgs), exp_avg_sqs=addresses(exp_avg_sqs))
+    return GatheredBatch(params, exp_avgs, exp_avg_sqs).with_grads(ext, addresses(grads))
 
 
 def subset_batch(ext: Any, params: Sequence[Tensor], indices: Sequence[Tensor],

@@ -11,9 +11,10 @@ from torch import Tensor
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_amp, check_no_overlap, check_scalars,
-                                        skipped_on_host, kernel_batch)
+from frugal_kernels.ops._common import (GatheredBatch, Hyper, Scalar, as_scalar_tensor,
+                                        check_batch, check_finite, check_amp, check_no_overlap,
+                                        check_scalars, skipped_on_host, kernel_batch)
+from frugal_kernels.ops.prepared import CpuCall, PreparedCall, cpu_backend
 
 OP = "frugal::adamw_"
 
@@ -78,9 +79,8 @@ def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
           exp_avg_sqs: List[Tensor], lr: Tensor, beta1: float, beta2: float, eps: float,
           weight_decay: float, step: Tensor, maximize: bool, grad_scale: Optional[Tensor],
           found_inf: Optional[Tensor], backend: str) -> None:
-    """The op's body after its metadata checks, with the op's signature: also the
-    optimizers' prepared calls (:mod:`frugal_kernels.ops.prepared`), which check
-    the metadata once per plan."""
+    """The op's body after its metadata checks, with the op's signature (the
+    optimizers' plans call it through :class:`Prepared`, made once per plan)."""
     check_scalars(OP, lr, step)
     if skipped_on_host(found_inf):
         return
@@ -94,9 +94,12 @@ def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
 _adamw_op.register_fake(_check)
 
 
-def _cpu(t: Tensors, h: AdamWHyper) -> None:
-    ext = extension()
-    ext.adamw_cpu(kernel_batch(ext, *t), h.kernel(ext), torch.get_num_threads())
+def _prepare_cpu(ext, t: Tensors) -> CpuCall:
+    batch = GatheredBatch(t.params, t.exp_avgs, t.exp_avg_sqs)
+
+    def call(grads: List[int], h: AdamWHyper) -> None:
+        ext.adamw_cpu(batch.with_grads(ext, grads), h.kernel(ext), torch.get_num_threads())
+    return call
 
 
 def _cuda(t: Tensors, h: AdamWHyper) -> None:
@@ -117,7 +120,25 @@ def _torch(t: Tensors, h: AdamWHyper) -> None:
     reference.adamw_(*t, **h.on_host())
 
 
-_IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
+_IMPLS = {"cpu": cpu_backend(_prepare_cpu), "cuda": _cuda, "triton": _triton, "torch": _torch}
+
+
+class Prepared(PreparedCall):
+    """:func:`adamw_` over fixed params and moments (:mod:`frugal_kernels.ops.prepared`)."""
+
+    op, impls, prepare_cpu = OP, _IMPLS, staticmethod(_prepare_cpu)
+
+    def __init__(self, params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+                 backend: str):
+        super().__init__(Tensors(params, [], exp_avgs, exp_avg_sqs),
+                         [*params, *exp_avgs, *exp_avg_sqs], backend)
+
+    def __call__(self, grads: List[Tensor], *, lr: Tensor, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, step: Tensor, maximize: bool = False,
+                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+        self._run(grads, AdamWHyper(lr.reshape(()), float(beta1), float(beta2), float(eps),
+                                    float(weight_decay), step.reshape(()), bool(maximize),
+                                    grad_scale, found_inf))
 
 
 def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

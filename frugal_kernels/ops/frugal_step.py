@@ -19,9 +19,10 @@ from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import STATE_FREE_RULES, SUBSET_KINDS, subset_dim, subset_state_shape
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_amp, check_no_overlap, check_scalars,
+from frugal_kernels.ops._common import (GatheredBatch, Scalar, as_scalar_tensor, check_batch,
+                                        check_finite, check_amp, check_no_overlap, check_scalars,
                                         skipped_on_host, kernel_batch, subset_batch)
+from frugal_kernels.ops.prepared import CpuCall, PreparedCall, cpu_backend
 from frugal_kernels.ops.adamw import AdamWCore, check_adamw_hyper
 
 OP = "frugal::frugal_step_"
@@ -132,8 +133,7 @@ def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
     check_scalars(OP, lr, step)
     if skipped_on_host(found_inf):
         return
-    # Empty tensors have nothing to update (and no [R, C] view to speak of).
-    keep = [i for i, p in enumerate(params) if p.numel() > 0]
+    keep = _stepped(params)
     if not keep:
         return
     impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
@@ -147,14 +147,24 @@ def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
 _frugal_step_op.register_fake(_check)
 
 
+def _stepped(params: Sequence[Tensor]) -> List[int]:
+    """The positions of the params a call updates: empty tensors have nothing to update
+    (and no [R, C] view to speak of)."""
+    return [i for i, p in enumerate(params) if p.numel() > 0]
+
+
 def _kernel_batch(ext, t: Tensors):
     return kernel_batch(ext, t.params, t.grads, t.exp_avgs, t.exp_avg_sqs)
 
 
-def _cpu(t: Tensors, h: FrugalHyper) -> None:
-    ext = extension()
-    ext.frugal_step_cpu(_kernel_batch(ext, t), subset_batch(ext, t.params, t.indices, t.kind),
-                        h.kernel(ext), torch.get_num_threads())
+def _prepare_cpu(ext, t: Tensors) -> CpuCall:
+    batch = GatheredBatch(t.params, t.exp_avgs, t.exp_avg_sqs)
+    subsets = subset_batch(ext, t.params, t.indices, t.kind)
+
+    def call(grads: List[int], h: FrugalHyper) -> None:
+        ext.frugal_step_cpu(batch.with_grads(ext, grads), subsets, h.kernel(ext),
+                            torch.get_num_threads())
+    return call
 
 
 def _cuda(t: Tensors, h: FrugalHyper) -> None:
@@ -178,7 +188,31 @@ def _torch(t: Tensors, h: FrugalHyper) -> None:
                            **h.on_host())
 
 
-_IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
+_IMPLS = {"cpu": cpu_backend(_prepare_cpu), "cuda": _cuda, "triton": _triton, "torch": _torch}
+
+
+class Prepared(PreparedCall):
+    """:func:`frugal_step_` over fixed params, moments and subsets
+    (:mod:`frugal_kernels.ops.prepared`)."""
+
+    op, impls, prepare_cpu = OP, _IMPLS, staticmethod(_prepare_cpu)
+
+    def __init__(self, params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+                 indices: List[Tensor], kind: str, backend: str):
+        keep = _stepped(params)
+        tensors = Tensors([params[i] for i in keep], [], [exp_avgs[i] for i in keep],
+                          [exp_avg_sqs[i] for i in keep],
+                          [indices[i].contiguous() for i in keep], kind)
+        super().__init__(tensors, [*params, *exp_avgs, *exp_avg_sqs], backend,
+                         None if len(keep) == len(params) else keep)
+
+    def __call__(self, grads: List[Tensor], *, lr: Tensor, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, step: Tensor, state_free: str = "sign",
+                 state_free_scale: float = 1.0, grad_scale: Optional[Tensor] = None,
+                 found_inf: Optional[Tensor] = None) -> None:
+        self._run(grads, FrugalHyper(lr.reshape(()), float(beta1), float(beta2), float(eps),
+                                     float(weight_decay), step.reshape(()), state_free,
+                                     float(state_free_scale), grad_scale, found_inf))
 
 
 def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

@@ -24,15 +24,15 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import reference
-from frugal_kernels._extension import extension
-from frugal_kernels._layout import (DTYPE_CODES, LEFT, RIGHT, SIDES, STATE_FREE_RULES,
+from frugal_kernels._layout import (LEFT, RIGHT, SIDES, STATE_FREE_RULES,
                                     matrix_shape, projection_rank, projection_shapes)
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Scalar, addresses, as_scalar_tensor, check_amp,
-                                        check_batch, check_finite, check_no_overlap,
-                                        check_scalars, kernel_batch, numels, skipped_on_host)
+from frugal_kernels.ops._common import (GatheredBatch, Scalar, addresses, as_scalar_tensor,
+                                        check_amp, check_batch, check_finite, check_no_overlap,
+                                        check_scalars, skipped_on_host)
 from frugal_kernels.ops.adamw import check_adamw_hyper
 from frugal_kernels.ops.frugal_step import FrugalHyper
+from frugal_kernels.ops.prepared import CpuCall, PreparedCall, cpu_backend
 
 OP = "frugal::lowrank_adamw_step_"
 
@@ -137,66 +137,43 @@ def _lowrank_batch(ext, params: Sequence[Tensor], projections: Sequence[Tensor],
                             sides=list(sides))
 
 
-def _cpu(t: Tensors, h: FrugalHyper) -> None:
-    ext = extension()
-    ext.lowrank_adamw_step_cpu(kernel_batch(ext, t.params, t.grads, t.exp_avgs, t.exp_avg_sqs),
-                               _lowrank_batch(ext, t.params, t.projections, t.sides),
-                               h.kernel(ext), torch.get_num_threads())
+def _prepare_cpu(ext, t: Tensors) -> CpuCall:
+    batch = GatheredBatch(t.params, t.exp_avgs, t.exp_avg_sqs)
+    lowrank = _lowrank_batch(ext, t.params, t.projections, t.sides)
+
+    def call(grads: List[int], h: FrugalHyper) -> None:
+        ext.lowrank_adamw_step_cpu(batch.with_grads(ext, grads), lowrank, h.kernel(ext),
+                                   torch.get_num_threads())
+    return call
 
 
 def _torch(t: Tensors, h: FrugalHyper) -> None:
     reference.lowrank_adamw_step_(*t, **h.on_host())
 
 
-_IMPLS = {"cpu": _cpu, "torch": _torch}
+_IMPLS = {"cpu": cpu_backend(_prepare_cpu), "torch": _torch}
 
 
-class Prepared:
-    """The op over the same params, moments and projections, called again and again with
-    new gradients and scalars (the optimizers' plans, between two subspace changes).
+class Prepared(PreparedCall):
+    """:func:`lowrank_adamw_step_` over fixed params, moments and projections
+    (:mod:`frugal_kernels.ops.prepared`). A step of LLaMA-130M's 84 low-rank tensors
+    spent about 250 us of host time gathering them per call (fused AdamW's whole
+    step: ~800 us)."""
 
-    Made from a call that was checked; what the kernel needs of the tensors that do not
-    change between calls (addresses, matrix shapes, ranks, sides) is gathered once, and a
-    call gathers only the gradients'. A step of LLaMA-130M's 84 low-rank tensors spent
-    about 250 us of host time doing that per call (fused AdamW's whole step: ~800 us).
-    Valid while those tensors live and keep their memory: a plan is rebuilt whenever a
-    subspace change, a loaded state dict or new parameter data may have replaced them.
-    Not for torch.compile (its graphs call the registered op)."""
+    op, impls, prepare_cpu = OP, _IMPLS, staticmethod(_prepare_cpu)
 
     def __init__(self, params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                  projections: List[Tensor], sides: List[int], backend: str):
-        self.tensors = Tensors(params, [], exp_avgs, exp_avg_sqs, projections, list(sides))
-        self.mutated = [*params, *exp_avgs, *exp_avg_sqs]
-        self.backend = _dispatch.resolve(backend, params[0].device, OP) if params else "torch"
-        if self.backend == "cpu":
-            ext = extension()
-            self.dtype = DTYPE_CODES[params[0].dtype]
-            self.numel = numels(params)
-            self.addresses = [addresses(lst) for lst in (params, exp_avgs, exp_avg_sqs)]
-            self.lowrank = _lowrank_batch(ext, params, projections, sides)
+        super().__init__(Tensors(params, [], exp_avgs, exp_avg_sqs, projections, list(sides)),
+                         [*params, *exp_avgs, *exp_avg_sqs], backend)
 
     def __call__(self, grads: List[Tensor], *, lr: Tensor, beta1: float, beta2: float,
                  eps: float, weight_decay: float, step: Tensor, state_free: str,
                  state_free_scale: float, grad_scale: Optional[Tensor] = None,
                  found_inf: Optional[Tensor] = None) -> None:
-        lr, step = lr.reshape(()), step.reshape(())
-        check_scalars(OP, lr, step)
-        if skipped_on_host(found_inf) or not grads:
-            return
-        grads = [g.contiguous() for g in grads]
-        h = FrugalHyper(lr, float(beta1), float(beta2), float(eps), float(weight_decay), step,
-                        state_free, float(state_free_scale), grad_scale, found_inf)
-        if self.backend == "cpu":
-            ext = extension()
-            params, exp_avgs, exp_avg_sqs = self.addresses
-            batch = ext.TensorBatch(dtype=self.dtype, numel=self.numel, params=params,
-                                    grads=addresses(grads), exp_avgs=exp_avgs,
-                                    exp_avg_sqs=exp_avg_sqs)
-            ext.lowrank_adamw_step_cpu(batch, self.lowrank, h.kernel(ext),
-                                       torch.get_num_threads())
-        else:
-            _IMPLS[self.backend](self.tensors._replace(grads=grads), h)
-        torch._C._increment_version(self.mutated)
+        self._run(grads, FrugalHyper(lr.reshape(()), float(beta1), float(beta2), float(eps),
+                                     float(weight_decay), step.reshape(()), state_free,
+                                     float(state_free_scale), grad_scale, found_inf))
 
 
 def lowrank_adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor],

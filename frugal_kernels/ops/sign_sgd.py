@@ -11,12 +11,12 @@ from torch import Tensor
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_amp, check_no_overlap, check_scalars,
-                                        skipped_on_host, kernel_batch)
+from frugal_kernels.ops._common import (GatheredBatch, Hyper, Scalar, as_scalar_tensor,
+                                        check_batch, check_finite, check_amp, check_no_overlap,
+                                        check_scalars, skipped_on_host, kernel_batch)
+from frugal_kernels.ops.prepared import CpuCall, PreparedCall, cpu_backend
 
 OP = "frugal::sign_sgd_"
-
 
 
 class Tensors(NamedTuple):
@@ -67,9 +67,12 @@ def apply(params: List[Tensor], grads: List[Tensor], lr: Tensor, weight_decay: f
 _sign_sgd_op.register_fake(_check)
 
 
-def _cpu(t: Tensors, h: SignSgdHyper) -> None:
-    ext = extension()
-    ext.sign_sgd_cpu(kernel_batch(ext, *t), h.kernel(ext), torch.get_num_threads())
+def _prepare_cpu(ext, t: Tensors) -> CpuCall:
+    batch = GatheredBatch(t.params)
+
+    def call(grads: List[int], h: SignSgdHyper) -> None:
+        ext.sign_sgd_cpu(batch.with_grads(ext, grads), h.kernel(ext), torch.get_num_threads())
+    return call
 
 
 def _cuda(t: Tensors, h: SignSgdHyper) -> None:
@@ -90,7 +93,22 @@ def _torch(t: Tensors, h: SignSgdHyper) -> None:
     reference.sign_sgd_(*t, **h.on_host())
 
 
-_IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
+_IMPLS = {"cpu": cpu_backend(_prepare_cpu), "cuda": _cuda, "triton": _triton, "torch": _torch}
+
+
+class Prepared(PreparedCall):
+    """:func:`sign_sgd_` over fixed params (:mod:`frugal_kernels.ops.prepared`)."""
+
+    op, impls, prepare_cpu = OP, _IMPLS, staticmethod(_prepare_cpu)
+
+    def __init__(self, params: List[Tensor], backend: str):
+        super().__init__(Tensors(params, []), params, backend)
+
+    def __call__(self, grads: List[Tensor], *, lr: Tensor, weight_decay: float = 0.0,
+                 scale: float = 1.0, grad_scale: Optional[Tensor] = None,
+                 found_inf: Optional[Tensor] = None) -> None:
+        self._run(grads, SignSgdHyper(lr.reshape(()), float(weight_decay), float(scale),
+                                      grad_scale, found_inf))
 
 
 def sign_sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], *, lr: Scalar,

@@ -9,6 +9,10 @@ op, so the result is bit-identical) and bumps the version counters of the
 tensors it mutates, as the registered op does. The scalar checks that need no
 device sync (a finite lr, a step >= 1) still run.
 
+The ``prepare_*`` functions go further for the calls whose only new tensors at
+each step are the gradients: they gather the other tensors once
+(:mod:`frugal_kernels.ops.prepared`).
+
 Not for torch.compile (its graphs call the registered ops) and not for users:
 a mismatched call here is undefined, where the public ops raise.
 """
@@ -23,8 +27,8 @@ from torch import Tensor
 from frugal_kernels.ops import (adamw, dqt_update, frugal_step, lowrank_adamw_step, lowrank_step,
                                 sign_sgd)
 
-__all__ = ["adamw_", "dqt_update_", "frugal_step_", "lowrank_adamw_step_", "lowrank_step_",
-           "prepare_lowrank_adamw_step_", "sign_sgd_"]
+__all__ = ["adamw_", "dqt_update_", "lowrank_step_", "prepare_adamw_",
+           "prepare_frugal_step_", "prepare_lowrank_adamw_step_", "prepare_sign_sgd_"]
 
 
 def _mutated(*lists: Sequence[Tensor]) -> None:
@@ -42,29 +46,6 @@ def adamw_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
     _mutated(params, exp_avgs, exp_avg_sqs)
 
 
-def sign_sgd_(params: List[Tensor], grads: List[Tensor], *, lr: Tensor,
-              weight_decay: float = 0.0, scale: float = 1.0, grad_scale: Optional[Tensor] = None,
-              found_inf: Optional[Tensor] = None, backend: str = "auto") -> None:
-    sign_sgd.apply(params, grads, lr.reshape(()), float(weight_decay), float(scale), grad_scale,
-                   found_inf, backend)
-    _mutated(params)
-
-
-def frugal_step_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
-                 exp_avg_sqs: List[Tensor], indices: List[Tensor], *, kind: str, lr: Tensor,
-                 beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
-                 state_free: str = "sign", state_free_scale: float = 1.0,
-                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
-                 backend: str = "auto", check_indices: bool = False) -> None:
-    # check_indices is accepted for the runners' one call site: they build the subsets
-    # themselves and never ask for the data check.
-    frugal_step.apply(params, grads, exp_avgs, exp_avg_sqs, indices, kind, lr.reshape(()),
-                      float(beta1), float(beta2), float(eps), float(weight_decay),
-                      step.reshape(()), state_free, float(state_free_scale), grad_scale,
-                      found_inf, backend)
-    _mutated(params, exp_avgs, exp_avg_sqs)
-
-
 def lowrank_step_(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
                   low_grads: List[Tensor], projections: List[Tensor], sides: List[int], *,
                   lr: Tensor, weight_decay: float = 0.0, state_free: str = "sign",
@@ -74,29 +55,6 @@ def lowrank_step_(params: List[Tensor], grads: List[Tensor], low_updates: List[T
                        [int(s) for s in sides], lr.reshape(()), float(weight_decay), state_free,
                        float(state_free_scale), grad_scale, found_inf, backend)
     _mutated(params)
-
-
-def lowrank_adamw_step_(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
-                        exp_avg_sqs: List[Tensor], projections: List[Tensor], sides: List[int], *,
-                        lr: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-                        step: Tensor, state_free: str = "sign", state_free_scale: float = 1.0,
-                        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
-                        backend: str = "auto") -> None:
-    lowrank_adamw_step.apply(params, grads, exp_avgs, exp_avg_sqs, projections, sides,
-                             lr.reshape(()), float(beta1), float(beta2), float(eps),
-                             float(weight_decay), step.reshape(()), state_free,
-                             float(state_free_scale), grad_scale, found_inf, backend)
-    _mutated(params, exp_avgs, exp_avg_sqs)
-
-
-def prepare_lowrank_adamw_step_(params: List[Tensor], exp_avgs: List[Tensor],
-                                exp_avg_sqs: List[Tensor], projections: List[Tensor],
-                                sides: List[int], *, backend: str = "auto"
-                                ) -> lowrank_adamw_step.Prepared:
-    """:func:`lowrank_adamw_step_` over these tensors, to be called with each step's
-    gradients and scalars (:class:`frugal_kernels.ops.lowrank_adamw_step.Prepared`)."""
-    return lowrank_adamw_step.Prepared(params, exp_avgs, exp_avg_sqs, projections, sides,
-                                       backend)
 
 
 def dqt_update_(codes: List[Tensor], scales: List[Tensor], grads: List[Tensor],
@@ -111,3 +69,29 @@ def dqt_update_(codes: List[Tensor], scales: List[Tensor], grads: List[Tensor],
                      step.reshape(()), state_free, float(state_free_scale), int(rng_step),
                      grad_scale, found_inf, backend)
     _mutated(codes, exp_avgs, exp_avg_sqs)
+
+
+# Prepared calls (frugal_kernels.ops.prepared): the op over these tensors, to be called
+# with each step's gradients and scalars (the keywords of the op's face).
+
+def prepare_adamw_(params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], *,
+                   backend: str = "auto") -> adamw.Prepared:
+    return adamw.Prepared(params, exp_avgs, exp_avg_sqs, backend)
+
+
+def prepare_sign_sgd_(params: List[Tensor], *, backend: str = "auto") -> sign_sgd.Prepared:
+    return sign_sgd.Prepared(params, backend)
+
+
+def prepare_frugal_step_(params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+                         indices: List[Tensor], *, kind: str, backend: str = "auto"
+                         ) -> frugal_step.Prepared:
+    return frugal_step.Prepared(params, exp_avgs, exp_avg_sqs, indices, kind, backend)
+
+
+def prepare_lowrank_adamw_step_(params: List[Tensor], exp_avgs: List[Tensor],
+                                exp_avg_sqs: List[Tensor], projections: List[Tensor],
+                                sides: List[int], *, backend: str = "auto"
+                                ) -> lowrank_adamw_step.Prepared:
+    return lowrank_adamw_step.Prepared(params, exp_avgs, exp_avg_sqs, projections, sides,
+                                       backend)

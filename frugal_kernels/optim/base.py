@@ -213,8 +213,8 @@ class FusedOptimizer(Optimizer):
         from the parameters is tied to the gradient tensors themselves, and a
         backward pass makes new ones each step."""
         # Checks first, writes after: nothing below raises on what the user passed.
-        key, with_grads = self._check_step()
-        found_inf = self._skip_flag(with_grads)
+        key, with_grads, local_grads = self._check_step()
+        found_inf = self._skip_flag(with_grads, local_grads)
         self._prepare_plan(key)
         self._fill_lrs()
         if self._steps_plan is not self._plan:
@@ -239,9 +239,10 @@ class FusedOptimizer(Optimizer):
         # gradients: no separate pass over them (8 bytes per parameter).
         return self._plan, grads, getattr(self, "grad_scale", None), found_inf
 
-    def _skip_flag(self, with_grads: List[Tuple[int, int, Tensor]]) -> Optional[Tensor]:
+    def _skip_flag(self, with_grads: List[Tuple[int, int, Tensor]],
+                   local_grads: List[Tensor]) -> Optional[Tensor]:
         return skip_flag(getattr(self, "found_inf", None), self.nonfinite, with_grads,
-                         self._shard_groups())
+                         self._shard_groups(), local_grads)
 
     @torch._dynamo.disable
     def _uncount_skipped(self, found_inf: Optional[Tensor]) -> None:
@@ -256,14 +257,15 @@ class FusedOptimizer(Optimizer):
         """The process groups the DTensor parameters are sharded over, once each."""
         return sharding.process_groups(self._layouts.values())
 
-    def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]]]:
+    def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]], List[Tensor]]:
         """Every per-step check, before anything changes: the groups' options (lr
         values included) and each gradient against its parameter. What cannot
         change between steps (duplicates, aliasing) is checked when a group is
-        added. Returns the plan's key (which tensors have gradients) and the
-        tensors with gradients, as (group index, index in the group, tensor)."""
-        key, with_grads = [], []
-        strided = torch.strided
+        added. Returns the plan's key (which tensors have gradients), the
+        tensors with gradients, as (group index, index in the group, tensor), and
+        their gradients (a DTensor's local block)."""
+        key, with_grads, grads = [], [], []
+        strided, layouts, placeholders = torch.strided, self._layouts, self._placeholder_types
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, f"param group {gi}")
             for i, p in enumerate(group["params"]):
@@ -275,12 +277,14 @@ class FusedOptimizer(Optimizer):
                 # hold a gradient to its parameter's shape and device (its dtype too,
                 # unless p.grad_dtype was cleared).
                 if g.layout is not strided or g.dtype is not p.dtype or (
-                        not p.is_contiguous() and not isinstance(p, self._placeholder_types)):
+                        not p.is_contiguous() and not isinstance(p, placeholders)):
                     _refuse_gradient(gi, i, p)
-                if p in self._layouts:
+                if layouts and p in layouts:
                     _check_sharded_gradient(gi, i, p)
+                    g = g.to_local()
                 with_grads.append((gi, i, p))
-        return tuple(key), with_grads
+                grads.append(g)
+        return tuple(key), with_grads, grads
 
     def _prepare_plan(self, key: tuple) -> None:
         """Subspace changes and the plan, undone if they raise (an svd that fails, say)."""
@@ -586,18 +590,21 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
 
 
 def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
-              with_grads: List[Tuple[int, int, Tensor]], shard_groups: List[Any]
-              ) -> Optional[Tensor]:
+              with_grads: List[Tuple[int, int, Tensor]], shard_groups: List[Any],
+              local_grads: Optional[List[Tensor]] = None) -> Optional[Tensor]:
     """A step's found_inf: a one-element tensor, non-zero when the step must be skipped,
     decided on the device (None: nothing to skip). ``found_inf`` is a GradScaler's flag,
     used as it is (the scaler computed it over these gradients); without one, under
     ``nonfinite="skip"``, one fused read of the gradients of ``with_grads`` ((group
-    index, index, tensor) triples). Over the ranks of ``shard_groups`` (FSDP2) the
+    index, index, tensor) triples; ``local_grads``, when given, are those gradients,
+    a DTensor's as its local block). Over the ranks of ``shard_groups`` (FSDP2) the
     flag is their maximum. ``nonfinite="raise"`` reads the flag here (its one host
     sync) and raises a ValueError naming the parameter."""
     own = found_inf is None and nonfinite != "propagate" and bool(with_grads)
     if own:
-        flag = _nonfinite_flag(with_grads)
+        if local_grads is None:
+            local_grads = [sharding.local(p.grad) for _, _, p in with_grads]
+        flag = _nonfinite_flag(local_grads)
     elif found_inf is not None:
         # GradScaler sums the flags of its devices: a count, where the step counts
         # must lose exactly one.
@@ -618,25 +625,24 @@ def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
     return flag
 
 
-def _nonfinite_flag(with_grads: List[Tuple[int, int, Tensor]]) -> Tensor:
-    """A one-element float32 tensor on the first gradient's device: 1 when a gradient of
-    ``with_grads`` ((group index, index, tensor) triples) holds a NaN or an infinity,
-    else 0, computed on the devices without a host sync.
+def _nonfinite_flag(grads: List[Tensor]) -> Tensor:
+    """A one-element float32 tensor on the first gradient's device: 1 when one of
+    ``grads`` (plain tensors, a DTensor's local block) holds a NaN or an infinity, else
+    0, computed on the devices without a host sync.
 
     GradScaler's own check: one fused read of the gradients per device, multiplying
     them by 1.0, which leaves every value as it was."""
-    device = with_grads[0][2].device
-    if all(p.device == device for _, _, p in with_grads):
-        by_device = {device: with_grads}  # the common case, without a dict of lists
+    device = grads[0].device
+    if len(set(map(Tensor.get_device, grads))) == 1:
+        by_device = {device: grads}  # the common case, without a dict of lists
     else:
         by_device = defaultdict(list)
-        for item in with_grads:
-            by_device[item[2].device].append(item)
+        for g in grads:
+            by_device[g.device].append(g)
     flag = None
-    for dev, items in by_device.items():
+    for dev, on_dev in by_device.items():
         found = torch.zeros(1, device=dev)
-        grads = [sharding.local(p.grad) for _, _, p in items]  # a DTensor's: this rank's rows
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=dev))
+        torch._amp_foreach_non_finite_check_and_unscale_(on_dev, found, torch.ones(1, device=dev))
         flag = found if flag is None else torch.maximum(flag, found.to(device), out=flag)
     return flag
 
@@ -645,7 +651,7 @@ def first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
                     ) -> Optional[Tuple[int, int, Tensor]]:
     """The first (group index, index, tensor) whose gradient holds a NaN or an infinity
     (a host sync: for nonfinite="raise", which names it)."""
-    if not bool(_nonfinite_flag(with_grads)):
+    if not bool(_nonfinite_flag([sharding.local(p.grad) for _, _, p in with_grads])):
         return None
     return _named_nonfinite(with_grads)
 

@@ -15,14 +15,14 @@ tensor on its own, as its gradient completes: its plan is one bucket per tensor
 
 A bucket's first call goes through the registered ops, which check every
 argument; the calls after it, while its params are the tensors that call
-checked (same storage, shape and dtype), take the ops' unchecked faces
-(:mod:`frugal_kernels.ops.unchecked`: the same kernels without the per-tensor
-checks and torch.library's Python dispatch), except under torch.compile, whose
-graphs call the registered ops. What can change between steps (the gradients,
-the options and lr) is checked by the optimizer at every step. The one-call
-low-rank step of small matrices goes further: its unchecked call is prepared
-once per bucket (:class:`frugal_kernels.ops.lowrank_adamw_step.Prepared`: the
-moments and projections are the plan's until it is rebuilt), and a step hands
+checked (same storage, shape and dtype), go around the per-tensor checks and
+torch.library's Python dispatch (:mod:`frugal_kernels.ops.unchecked`), except
+under torch.compile, whose graphs call the registered ops. What can change
+between steps (the gradients, the options and lr) is checked by the optimizer
+at every step. A call whose only new tensors at each step are the gradients
+(AdamW, the state-free rule, a subset split, the one-call low-rank step) is
+prepared once per bucket (:mod:`frugal_kernels.ops.prepared`: the moments,
+subsets and projections are the plan's until it is rebuilt), and a step hands
 it the gradients and scalars only.
 """
 
@@ -222,13 +222,27 @@ def _moments(bucket: Bucket):
             states[0]["step"])
 
 
+def _prepared(bucket: Bucket, prepare: Callable[[], Callable[..., None]]) -> Callable[..., None]:
+    """The bucket's prepared call (``ops.unchecked.prepare_*``), made by ``prepare`` at
+    its first unchecked call: its tensors are the plan's until the plan is rebuilt (at
+    every subspace change and state dict load), and run checks its params at every
+    call (and clears the cache when they change)."""
+    prepared = bucket.cache.get("prepared")
+    if prepared is None:
+        prepared = bucket.cache["prepared"] = prepare()
+    return prepared
+
+
 def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
-    _, m, v, step = _moments(bucket)
-    calls.adamw_(params, grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
-               eps=group["eps"], weight_decay=group["weight_decay"], step=step, backend=backend,
-               **amp)
+    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"], **amp)
+    if calls is unchecked:
+        _prepared(bucket, lambda: unchecked.prepare_adamw_(
+            params, *_moments(bucket)[1:3], backend=backend))(grads, **hyper)
+        return
+    calls.adamw_(params, grads, *_moments(bucket)[1:3], backend=backend, **hyper)
 
 
 def _state_free(bucket: Bucket, params, grads, backend, calls, amp) -> None:
@@ -236,26 +250,45 @@ def _state_free(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     rule = group["state_free"]
     wd, scale = group["weight_decay"], group["state_free_lr_scale"]
     if rule == "sign":
-        calls.sign_sgd_(params, grads, lr=bucket.lr, weight_decay=wd, scale=scale,
-                        backend=backend, **amp)
+        hyper = dict(lr=bucket.lr, weight_decay=wd, scale=scale, **amp)
+        if calls is unchecked:
+            _prepared(bucket, lambda: unchecked.prepare_sign_sgd_(
+                params, backend=backend))(grads, **hyper)
+            return
+        calls.sign_sgd_(params, grads, backend=backend, **hyper)
         return
     # sgd / none: the fused FRUGAL op with an empty state-full set.
     empty, zeros, one = _empty_subsets(bucket)
-    calls.frugal_step_(params, grads, zeros, zeros, empty, kind="flat", lr=bucket.lr, beta1=0.0,
-                     beta2=0.0, eps=0.0, weight_decay=wd, step=one, state_free=rule,
-                     state_free_scale=scale, backend=backend, check_indices=False, **amp)
+    hyper = dict(lr=bucket.lr, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=wd, step=one,
+                 state_free=rule, state_free_scale=scale, **amp)
+    if calls is unchecked:
+        _prepared(bucket, lambda: unchecked.prepare_frugal_step_(
+            params, zeros, zeros, empty, kind="flat", backend=backend))(grads, **hyper)
+        return
+    calls.frugal_step_(params, grads, zeros, zeros, empty, kind="flat", backend=backend,
+                       check_indices=False, **hyper)
 
 
 def _subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
-    states, m, v, step = _moments(bucket)
-    calls.frugal_step_(params, grads, m, v, [st["indices"] for st in states],
-                     kind=bucket.assignment.subset_kind, lr=bucket.lr, beta1=beta1, beta2=beta2,
-                     eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                     state_free=group["state_free"],
-                     state_free_scale=group["state_free_lr_scale"], backend=backend,
-                     check_indices=False, **amp)
+    kind = bucket.assignment.subset_kind
+    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"],
+                 state_free=group["state_free"], state_free_scale=group["state_free_lr_scale"],
+                 **amp)
+    if calls is unchecked:
+        _prepared(bucket, lambda: unchecked.prepare_frugal_step_(
+            params, *_subsets(bucket), kind=kind, backend=backend))(grads, **hyper)
+        return
+    calls.frugal_step_(params, grads, *_subsets(bucket), kind=kind, backend=backend,
+                       check_indices=False, **hyper)
+
+
+def _subsets(bucket: Bucket):
+    """The moments and state-full indices of a subset bucket's tensors."""
+    states, m, v, _ = _moments(bucket)
+    return m, v, [st["indices"] for st in states]
 
 
 def _lowrank(bucket: Bucket, params, grads, backend, calls, amp) -> None:
@@ -311,25 +344,21 @@ def _lowrank_fused(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"],
+                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"],
                  state_free="none" if bucket.assignment.full_rank else group["state_free"],
                  state_free_scale=group["state_free_lr_scale"], **amp)
     if calls is unchecked:
-        # The bucket's moments and projections are the plan's until it is rebuilt (at
-        # every subspace change and state dict load), and run checks its params: the
-        # call is prepared once, as long as the checks hold (run clears the cache).
-        prepared = bucket.cache.get("prepared")
-        if prepared is None:
-            states, m, v, _ = _moments(bucket)
-            prepared = bucket.cache["prepared"] = unchecked.prepare_lowrank_adamw_step_(
-                params, m, v, [st["projection"] for st in states],
-                [lowrank_side(p.shape) for p in bucket.params], backend=backend)
-        prepared(grads, step=bucket.states[0]["step"], **hyper)
+        _prepared(bucket, lambda: unchecked.prepare_lowrank_adamw_step_(
+            params, *_projected(bucket), backend=backend))(grads, **hyper)
         return
-    states, m, v, step = _moments(bucket)
-    calls.lowrank_adamw_step_(params, grads, m, v, [st["projection"] for st in states],
-                              [lowrank_side(p.shape) for p in bucket.params], step=step,
-                              backend=backend, **hyper)
+    calls.lowrank_adamw_step_(params, grads, *_projected(bucket), backend=backend, **hyper)
+
+
+def _projected(bucket: Bucket):
+    """The moments, projections and sides of a low-rank bucket's tensors."""
+    states, m, v, _ = _moments(bucket)
+    return (m, v, [st["projection"] for st in states],
+            [lowrank_side(p.shape) for p in bucket.params])
 
 
 def _empty_subsets(bucket: Bucket):

@@ -66,13 +66,13 @@ class _Counting:
     def _prepare(self, op):
         """A prepared call (its tensors once, gradients and scalars at each call). The
         registered ops have none: their counterpart is the op over the same tensors."""
-        def prepare(params, *rest, backend):
+        def prepare(params, *rest, backend, **static):
             made = getattr(self._module, f"prepare_{op}", None)
             if made is not None:
-                return self._counted(op, made(params, *rest, backend=backend))
+                return self._counted(op, made(params, *rest, backend=backend, **static))
             face = getattr(self._module, op)
-            return self._counted(op, lambda grads, **kwargs: face(params, grads, *rest,
-                                                                   backend=backend, **kwargs))
+            return self._counted(op, lambda grads, **kwargs: face(
+                params, grads, *rest, backend=backend, **static, **kwargs))
         return prepare
 
 
