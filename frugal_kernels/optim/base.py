@@ -228,6 +228,7 @@ class FusedOptimizer(Optimizer):
         for steps in self._steps.values():
             steps.add_(1.0)
         if self._draws_random_numbers:
+            _refuse_capture({b.params[0].device for b in self._plan})
             rng_step = self._rng_step()
             for bucket in self._plan:
                 bucket.rng_step = rng_step
@@ -492,6 +493,16 @@ class FusedOptimizer(Optimizer):
 
     def _check_saved_group(self, gi: int, saved: dict, group: dict) -> None:
         """Raise a ValueError if the saved group ``gi`` cannot resume ``group``."""
+
+
+def _refuse_capture(devices) -> None:
+    """Raise if a step that draws random numbers is being captured in a CUDA graph:
+    the counter of its draws is a host number, which a replay would repeat (every
+    replayed step rounding with the same random numbers)."""
+    if any(d.type == "cuda" for d in devices) and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("this optimizer's step draws random numbers (DQT's stochastic "
+                           "rounding) by a host-side counter, which a CUDA graph would "
+                           "replay unchanged: step it eagerly")
 
 
 def _check_sharded_gradient(gi: int, i: int, p: Tensor) -> None:

@@ -155,6 +155,15 @@ def launch_table(device: torch.device, numels: Sequence[int], records: Sequence[
         starts.append(starts[-1] + triton.cdiv(n, block))
     values = starts + [field for record in records for field in record] + list(tail)
     if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            # A captured copy reads the host buffer again at every replay, after
+            # the allocator has handed it to someone else.
+            raise RuntimeError(
+                "frugal_kernels: a Triton kernel cannot be captured in a CUDA graph (its "
+                "launch table is copied from host memory at each call); the ops with a cuda "
+                "backend (adamw_, sign_sgd_, frugal_step_, dqt_update_) can be, so use "
+                "backend='cuda' or 'auto' for them, and step the random and svd "
+                "projections and a swapped SGD eagerly")
         # Pinned memory makes the copy asynchronous; torch's host allocator
         # keeps the buffer until the copy is done.
         host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
