@@ -159,11 +159,11 @@ def launch_table(device: torch.device, numels: Sequence[int], records: Sequence[
             # A captured copy reads the host buffer again at every replay, after
             # the allocator has handed it to someone else.
             raise RuntimeError(
-                "frugal_kernels: a Triton kernel cannot be captured in a CUDA graph (its "
-                "launch table is copied from host memory at each call); the ops with a cuda "
-                "backend (adamw_, sign_sgd_, frugal_step_, dqt_update_) can be, so use "
-                "backend='cuda' or 'auto' for them, and step the random and svd "
-                "projections and a swapped SGD eagerly")
+                "frugal_kernels: this Triton launch cannot be captured in a CUDA graph (its "
+                "launch table is copied from host memory at each call, which a replay would "
+                "read after it was reused); the cuda backend's launches can be (adamw_, "
+                "sign_sgd_, frugal_step_, dqt_update_: backend='cuda' or 'auto'), or step "
+                "this one eagerly (sgd_, which a swapped SGD calls, has no cuda backend)")
         # Pinned memory makes the copy asynchronous; torch's host allocator
         # keeps the buffer until the copy is done.
         host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
