@@ -18,7 +18,7 @@ uses ``flat``); a *side* is where a low-rank projection multiplies.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Any, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -155,18 +155,22 @@ def row_chunk(n: int, num_shards: int, shard_rank: int) -> Tuple[int, int]:
 
 def memory_span(t: Tensor) -> Optional[Tuple[int, int]]:
     """[first byte, one past the last byte) of the memory ``t`` touches; None if empty."""
-    if t.numel() == 0:
+    numel = t.numel()
+    if numel == 0:
         return None
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + numel * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
 
 
-def first_overlap(tensors: Iterable[Tuple[Tensor, bool, str]]) -> Optional[Tuple[str, str]]:
-    """Names ``(later, earlier)`` of two of ``(tensor, written, name)`` whose memory
+def first_overlap(tensors: Iterable[Tuple[Tensor, bool, Any]]) -> Optional[Tuple[Any, Any]]:
+    """Labels ``(later, earlier)`` of two of ``(tensor, written, label)`` whose memory
     overlaps, at least one of them written; None if there are none. One sweep over the
     spans sorted by start (stable: of two starting together, the later listed is named
-    first)."""
+    first). A label is whatever names the tensor to the caller (formatted only for the
+    message of a clash)."""
     spans = []
     for t, written, name in tensors:
         span = memory_span(t)

@@ -246,9 +246,11 @@ def check_no_overlap(op: str, written: Mapping[str, Sequence[Tensor]],
     the call (the same tensor as param and grad, one moment twice, a param listed twice,
     overlapping views). The backends would disagree on such a call, each reading values
     another pass has already written. Real tensors only (the fake kernel has no memory)."""
-    clash = first_overlap((t, is_written, f"{name}[{i}]")
+    clash = first_overlap((t, is_written, (name, i))
                           for is_written, lists in ((True, written), (False, read))
                           for name, tensors in lists.items() for i, t in enumerate(tensors))
     if clash is not None:
-        raise ValueError(f"{op}: {clash[0]} shares memory with {clash[1]}; the op writes in "
-                         "place, so every tensor it writes must have memory of its own")
+        (later, i), (earlier, j) = clash
+        raise ValueError(f"{op}: {later}[{i}] shares memory with {earlier}[{j}]; the op "
+                         "writes in place, so every tensor it writes must have memory of its "
+                         "own")

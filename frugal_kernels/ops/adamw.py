@@ -120,7 +120,9 @@ def _torch(t: Tensors, h: AdamWHyper) -> None:
     reference.adamw_(*t, **h.on_host())
 
 
-_IMPLS = {"cpu": cpu_backend(_prepare_cpu), "cuda": _cuda, "triton": _triton, "torch": _torch}
+_cpu = cpu_backend(_prepare_cpu)
+
+_IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
 
 class Prepared(PreparedCall):

@@ -151,7 +151,9 @@ def _torch(t: Tensors, h: FrugalHyper) -> None:
     reference.lowrank_adamw_step_(*t, **h.on_host())
 
 
-_IMPLS = {"cpu": cpu_backend(_prepare_cpu), "torch": _torch}
+_cpu = cpu_backend(_prepare_cpu)
+
+_IMPLS = {"cpu": _cpu, "torch": _torch}
 
 
 class Prepared(PreparedCall):

@@ -93,7 +93,9 @@ def _torch(t: Tensors, h: SignSgdHyper) -> None:
     reference.sign_sgd_(*t, **h.on_host())
 
 
-_IMPLS = {"cpu": cpu_backend(_prepare_cpu), "cuda": _cuda, "triton": _triton, "torch": _torch}
+_cpu = cpu_backend(_prepare_cpu)
+
+_IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
 
 class Prepared(PreparedCall):
