@@ -290,6 +290,7 @@ class FusedOptimizer(Optimizer):
     def _prepare_plan(self, key: tuple) -> None:
         """Subspace changes and the plan, undone if they raise (an svd that fails, say)."""
         may_change = self._state_may_change() or self._plan is None or key != self._plan_key
+        previous = self._plan
         # Copies of the per-tensor dicts, not of their tensors: choosing a subspace or
         # building the plan replaces state tensors but never writes into them.
         saved_state = {p: dict(st) for p, st in self.state.items()} if may_change else None
@@ -308,10 +309,18 @@ class FusedOptimizer(Optimizer):
                 self.state = defaultdict(dict, saved_state)
             self._plan = None
             raise
-        # The snapshot held the state the step dropped: let it go before the hook,
-        # which may hand freed memory back to the OS.
+        # The snapshot and the replaced plans held the state the step dropped: let it go
+        # before the hook, which may hand freed memory back to the OS.
         del saved_state, generator_state
+        self._release_stale_plans(previous)
         self._after_plan()
+
+    def _release_stale_plans(self, previous: Optional[List[Bucket]]) -> None:
+        """Release (plan.release) ``previous`` and the plan the step counters were packed
+        for, unless one of them is the plan in use."""
+        for stale in (previous, self._steps_plan):
+            if stale is not None and stale is not self._plan:
+                plan.release(stale)
 
     def _apply(self, buckets: List[Bucket], grads: List[List[Tensor]],
                grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
@@ -377,8 +386,10 @@ class FusedOptimizer(Optimizer):
         if self._plan is None or self._plan_key is not _PER_TENSOR:
             # One bucket per tensor, made at the tensor's first step since the plan was
             # last invalidated; the ordinary step rebuilds its own (the key differs).
+            previous = self._plan
             self._plan, self._plan_key = [], _PER_TENSOR
             self._tensor_buckets = {}
+            self._release_stale_plans(previous)
         self._fill_lrs()
         self._tensor_index = {p: (gi, i) for gi, group in enumerate(self.param_groups)
                               for i, p in enumerate(group["params"])}

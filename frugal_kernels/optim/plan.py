@@ -40,7 +40,7 @@ from frugal_kernels._layout import LEFT, inverse_grad_scale, lowrank_side, proje
 from frugal_kernels.optim.sharding import ShardLayout, local
 
 __all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
-           "run", "signature", "single", "pack_step_counters"]
+           "release", "run", "signature", "single", "pack_step_counters"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,15 @@ def single(gi: int, group: dict, i: int, p: Tensor, state,
     assignment = assign(gi, group, i, p)
     return Bucket(assignment, group, group_lr(gi, group), [p], layouts=[None],
                   states=[state[p]])
+
+
+def release(plan: Sequence[Bucket]) -> None:
+    """Let go of what a replaced plan's buckets keep of their tensors (the prepared calls,
+    which hold the moments they were made for), so that the state a subspace change
+    dropped is freed at once, not when the last reference to the old plan goes."""
+    for bucket in plan:
+        bucket.cache.clear()
+        bucket.checked = None
 
 
 def pack_step_counters(plan: Sequence[Bucket], state) -> Dict[torch.device, Tensor]:
