@@ -13,8 +13,8 @@ from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (GatheredBatch, Hyper, Scalar, as_scalar_tensor,
                                         check_batch, check_finite, check_amp, check_no_overlap,
-                                        check_scalars, skipped_on_host, kernel_batch)
-from frugal_kernels.ops.prepared import CpuCall, PreparedCall, cpu_backend
+                                        check_scalars, skipped_on_host)
+from frugal_kernels.ops.prepared import Call, PreparedCall, gathered_backend
 
 OP = "frugal::adamw_"
 
@@ -94,7 +94,7 @@ def apply(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
 _adamw_op.register_fake(_check)
 
 
-def _prepare_cpu(ext, t: Tensors) -> CpuCall:
+def _prepare_cpu(ext, t: Tensors) -> Call:
     batch = GatheredBatch(t.params, t.exp_avgs, t.exp_avg_sqs)
 
     def call(grads: List[int], h: AdamWHyper) -> None:
@@ -102,12 +102,15 @@ def _prepare_cpu(ext, t: Tensors) -> CpuCall:
     return call
 
 
-def _cuda(t: Tensors, h: AdamWHyper) -> None:
+def _prepare_cuda(ext, t: Tensors) -> Call:
     from frugal_kernels.ops._cuda import launch
 
-    ext = extension()
-    with launch(ext, h, t.params[0].device) as (hyper, scalars, stream):
-        ext.adamw_cuda(kernel_batch(ext, *t), hyper, scalars, stream)
+    batch, device = GatheredBatch(t.params, t.exp_avgs, t.exp_avg_sqs), t.params[0].device
+
+    def call(grads: List[int], h: AdamWHyper) -> None:
+        with launch(ext, h, device) as (hyper, scalars, stream):
+            ext.adamw_cuda(batch.with_grads(ext, grads), hyper, scalars, stream)
+    return call
 
 
 def _triton(t: Tensors, h: AdamWHyper) -> None:
@@ -120,7 +123,9 @@ def _torch(t: Tensors, h: AdamWHyper) -> None:
     reference.adamw_(*t, **h.on_host())
 
 
-_cpu = cpu_backend(_prepare_cpu)
+_PREPARED = {"cpu": _prepare_cpu, "cuda": _prepare_cuda}
+_cpu = gathered_backend(_prepare_cpu, lambda: extension())
+_cuda = gathered_backend(_prepare_cuda, lambda: extension())
 
 _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
@@ -128,7 +133,7 @@ _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 class Prepared(PreparedCall):
     """:func:`adamw_` over fixed params and moments (:mod:`frugal_kernels.ops.prepared`)."""
 
-    op, impls, prepare_cpu = OP, _IMPLS, staticmethod(_prepare_cpu)
+    op, impls, prepared = OP, _IMPLS, _PREPARED
 
     def __init__(self, params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                  backend: str):

@@ -21,8 +21,8 @@ from frugal_kernels._layout import STATE_FREE_RULES, SUBSET_KINDS, subset_dim, s
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (GatheredBatch, Scalar, as_scalar_tensor, check_batch,
                                         check_finite, check_amp, check_no_overlap, check_scalars,
-                                        skipped_on_host, kernel_batch, subset_batch)
-from frugal_kernels.ops.prepared import CpuCall, PreparedCall, cpu_backend
+                                        skipped_on_host, subset_batch)
+from frugal_kernels.ops.prepared import Call, PreparedCall, gathered_backend
 from frugal_kernels.ops.adamw import AdamWCore, check_adamw_hyper
 
 OP = "frugal::frugal_step_"
@@ -153,11 +153,7 @@ def _stepped(params: Sequence[Tensor]) -> List[int]:
     return [i for i, p in enumerate(params) if p.numel() > 0]
 
 
-def _kernel_batch(ext, t: Tensors):
-    return kernel_batch(ext, t.params, t.grads, t.exp_avgs, t.exp_avg_sqs)
-
-
-def _prepare_cpu(ext, t: Tensors) -> CpuCall:
+def _prepare_cpu(ext, t: Tensors) -> Call:
     batch = GatheredBatch(t.params, t.exp_avgs, t.exp_avg_sqs)
     subsets = subset_batch(ext, t.params, t.indices, t.kind)
 
@@ -167,13 +163,16 @@ def _prepare_cpu(ext, t: Tensors) -> CpuCall:
     return call
 
 
-def _cuda(t: Tensors, h: FrugalHyper) -> None:
+def _prepare_cuda(ext, t: Tensors) -> Call:
     from frugal_kernels.ops._cuda import launch
 
-    ext = extension()
-    with launch(ext, h, t.params[0].device) as (hyper, scalars, stream):
-        ext.frugal_step_cuda(_kernel_batch(ext, t), subset_batch(ext, t.params, t.indices, t.kind),
-                             hyper, scalars, stream)
+    batch = GatheredBatch(t.params, t.exp_avgs, t.exp_avg_sqs)
+    subsets, device = subset_batch(ext, t.params, t.indices, t.kind), t.params[0].device
+
+    def call(grads: List[int], h: FrugalHyper) -> None:
+        with launch(ext, h, device) as (hyper, scalars, stream):
+            ext.frugal_step_cuda(batch.with_grads(ext, grads), subsets, hyper, scalars, stream)
+    return call
 
 
 def _triton(t: Tensors, h: FrugalHyper) -> None:
@@ -188,7 +187,9 @@ def _torch(t: Tensors, h: FrugalHyper) -> None:
                            **h.on_host())
 
 
-_cpu = cpu_backend(_prepare_cpu)
+_PREPARED = {"cpu": _prepare_cpu, "cuda": _prepare_cuda}
+_cpu = gathered_backend(_prepare_cpu, lambda: extension())
+_cuda = gathered_backend(_prepare_cuda, lambda: extension())
 
 _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
@@ -197,7 +198,7 @@ class Prepared(PreparedCall):
     """:func:`frugal_step_` over fixed params, moments and subsets
     (:mod:`frugal_kernels.ops.prepared`)."""
 
-    op, impls, prepare_cpu = OP, _IMPLS, staticmethod(_prepare_cpu)
+    op, impls, prepared = OP, _IMPLS, _PREPARED
 
     def __init__(self, params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                  indices: List[Tensor], kind: str, backend: str):

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import reference
+from frugal_kernels._extension import extension
 from frugal_kernels._layout import (LEFT, RIGHT, SIDES, STATE_FREE_RULES,
                                     matrix_shape, projection_rank, projection_shapes)
 from frugal_kernels.ops import _dispatch
@@ -32,7 +33,7 @@ from frugal_kernels.ops._common import (GatheredBatch, Scalar, addresses, as_sca
                                         check_scalars, skipped_on_host)
 from frugal_kernels.ops.adamw import check_adamw_hyper
 from frugal_kernels.ops.frugal_step import FrugalHyper
-from frugal_kernels.ops.prepared import CpuCall, PreparedCall, cpu_backend
+from frugal_kernels.ops.prepared import Call, PreparedCall, gathered_backend
 
 OP = "frugal::lowrank_adamw_step_"
 
@@ -137,7 +138,7 @@ def _lowrank_batch(ext, params: Sequence[Tensor], projections: Sequence[Tensor],
                             sides=list(sides))
 
 
-def _prepare_cpu(ext, t: Tensors) -> CpuCall:
+def _prepare_cpu(ext, t: Tensors) -> Call:
     batch = GatheredBatch(t.params, t.exp_avgs, t.exp_avg_sqs)
     lowrank = _lowrank_batch(ext, t.params, t.projections, t.sides)
 
@@ -151,7 +152,8 @@ def _torch(t: Tensors, h: FrugalHyper) -> None:
     reference.lowrank_adamw_step_(*t, **h.on_host())
 
 
-_cpu = cpu_backend(_prepare_cpu)
+_PREPARED = {"cpu": _prepare_cpu}
+_cpu = gathered_backend(_prepare_cpu, lambda: extension())
 
 _IMPLS = {"cpu": _cpu, "torch": _torch}
 
@@ -162,7 +164,7 @@ class Prepared(PreparedCall):
     spent about 250 us of host time gathering them per call (fused AdamW's whole
     step: ~800 us)."""
 
-    op, impls, prepare_cpu = OP, _IMPLS, staticmethod(_prepare_cpu)
+    op, impls, prepared = OP, _IMPLS, _PREPARED
 
     def __init__(self, params: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                  projections: List[Tensor], sides: List[int], backend: str):

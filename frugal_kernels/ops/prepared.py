@@ -4,11 +4,11 @@ An optimizer's plan makes the same op calls at every step between two subspace
 changes: the same params, moments and subsets, new gradients and scalars. A
 prepared call is made from a call that was checked (the plan's first call of a
 bucket goes through the registered op), and it keeps what the kernels need of
-the tensors that do not change: on the cpu backend their addresses and sizes as
-the ``_C`` argument structs, gathered once; a call gathers only the gradients'
-addresses. Gathering a TensorBatch of LLaMA-130M's 111 tensors took about
-120 us per call, which the host-overhead benchmark counts against fused
-AdamW's whole step (docs/benchmarks.md).
+the tensors that do not change: on the cpu and cuda backends their addresses and
+sizes as the ``_C`` argument structs, gathered once; a call gathers only the
+gradients' addresses. Gathering a TensorBatch of LLaMA-130M's 111 tensors took
+about 120 us per call, which the host-overhead benchmark counts against fused
+AdamW's whole step (docs/benchmarks.md); on a GPU that host time is the step's.
 
 A prepared call runs the op's body (its backend, kernels and arguments), so its
 results are bit-identical to the registered op's; it bumps the version counters
@@ -31,19 +31,21 @@ from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import Hyper, addresses, check_scalars, skipped_on_host
 
-__all__ = ["PreparedCall", "CpuCall", "cpu_backend"]
+__all__ = ["Call", "PreparedCall", "gathered_backend"]
 
-# What an op's cpu backend prepares from its tensors: the call of its kernel, taking
-# the gradients' addresses and the op's hyper-parameter record.
-CpuCall = Callable[[List[int], Hyper], None]
+# What an op's backend prepares from its tensors (``prepare(ext, tensors)``, the
+# gradients left out): the launch of its kernel, taking the gradients' addresses and the
+# op's hyper-parameter record.
+Call = Callable[[List[int], Hyper], None]
 
 
-def cpu_backend(prepare: Callable[[Any, NamedTuple], CpuCall]) -> Callable[[NamedTuple, Hyper],
-                                                                             None]:
-    """An op's cpu backend, ``impl(tensors, hyper)``, from its prepared form: the
-    registered op gathers the tensors and calls at once; a prepared call gathers once."""
+def gathered_backend(prepare: Callable[[Any, NamedTuple], Call],
+                     ext: Callable[[], Any]) -> Callable[[NamedTuple, Hyper], None]:
+    """An op's backend, ``impl(tensors, hyper)``, from its prepared form: the registered op
+    gathers the tensors and launches at once; a prepared call gathers once. ``ext`` looks
+    up the extension module (the op module's own lookup, which tests replace)."""
     def impl(t: NamedTuple, h: Hyper) -> None:
-        prepare(extension(), t)(addresses(t.grads), h)
+        prepare(ext(), t)(addresses(t.grads), h)
     return impl
 
 
@@ -51,7 +53,8 @@ class PreparedCall:
     """An op's body over fixed tensors; each call gives the gradients and the scalars.
 
     A subclass per op names the op (``op``), its backends (``impls``, as the op's
-    ``_IMPLS``) and its cpu preparation (``prepare_cpu``), and builds the op's
+    ``_IMPLS``) and the backends that gather their tensors once (``prepared``: backend
+    -> ``prepare(ext, tensors)``, the cpu and cuda ones), and builds the op's
     hyper-parameter record in its ``__call__``, which hands it to :meth:`_run`.
 
     ``tensors`` is the op's ``Tensors`` record with an empty ``grads``;
@@ -60,10 +63,7 @@ class PreparedCall:
 
     op: str
     impls: Dict[str, Callable[[NamedTuple, Hyper], None]]
-
-    @staticmethod
-    def prepare_cpu(ext: Any, tensors: NamedTuple) -> CpuCall:
-        raise NotImplementedError
+    prepared: Dict[str, Callable[[Any, NamedTuple], Call]]
 
     def __init__(self, tensors: NamedTuple, written: Sequence[Tensor], backend: str,
                  keep: Optional[List[int]] = None):
@@ -74,8 +74,9 @@ class PreparedCall:
         self.empty = not params
         self.backend = "torch" if self.empty else _dispatch.resolve(backend, params[0].device,
                                                                     self.op)
-        self.cpu = (self.prepare_cpu(extension(), tensors)
-                    if self.backend == "cpu" and not self.empty else None)
+        prepare = self.prepared.get(self.backend)
+        self.call = (prepare(extension(), tensors)
+                     if prepare is not None and not self.empty else None)
 
     def _run(self, grads: List[Tensor], h: Hyper) -> None:
         check_scalars(self.op, h.lr, getattr(h, "step", None))
@@ -84,8 +85,8 @@ class PreparedCall:
         if self.keep is not None:
             grads = [grads[i] for i in self.keep]
         grads = [g.contiguous() for g in grads]
-        if self.cpu is not None:
-            self.cpu(addresses(grads), h)
+        if self.call is not None:
+            self.call(addresses(grads), h)
         else:
             self.impls[self.backend](self.tensors._replace(grads=grads), h)
         torch._C._increment_version(self.written)

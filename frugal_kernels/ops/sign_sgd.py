@@ -13,8 +13,8 @@ from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (GatheredBatch, Hyper, Scalar, as_scalar_tensor,
                                         check_batch, check_finite, check_amp, check_no_overlap,
-                                        check_scalars, skipped_on_host, kernel_batch)
-from frugal_kernels.ops.prepared import CpuCall, PreparedCall, cpu_backend
+                                        check_scalars, skipped_on_host)
+from frugal_kernels.ops.prepared import Call, PreparedCall, gathered_backend
 
 OP = "frugal::sign_sgd_"
 
@@ -67,7 +67,7 @@ def apply(params: List[Tensor], grads: List[Tensor], lr: Tensor, weight_decay: f
 _sign_sgd_op.register_fake(_check)
 
 
-def _prepare_cpu(ext, t: Tensors) -> CpuCall:
+def _prepare_cpu(ext, t: Tensors) -> Call:
     batch = GatheredBatch(t.params)
 
     def call(grads: List[int], h: SignSgdHyper) -> None:
@@ -75,12 +75,15 @@ def _prepare_cpu(ext, t: Tensors) -> CpuCall:
     return call
 
 
-def _cuda(t: Tensors, h: SignSgdHyper) -> None:
+def _prepare_cuda(ext, t: Tensors) -> Call:
     from frugal_kernels.ops._cuda import launch
 
-    ext = extension()
-    with launch(ext, h, t.params[0].device) as (hyper, scalars, stream):
-        ext.sign_sgd_cuda(kernel_batch(ext, *t), hyper, scalars, stream)
+    batch, device = GatheredBatch(t.params), t.params[0].device
+
+    def call(grads: List[int], h: SignSgdHyper) -> None:
+        with launch(ext, h, device) as (hyper, scalars, stream):
+            ext.sign_sgd_cuda(batch.with_grads(ext, grads), hyper, scalars, stream)
+    return call
 
 
 def _triton(t: Tensors, h: SignSgdHyper) -> None:
@@ -93,7 +96,9 @@ def _torch(t: Tensors, h: SignSgdHyper) -> None:
     reference.sign_sgd_(*t, **h.on_host())
 
 
-_cpu = cpu_backend(_prepare_cpu)
+_PREPARED = {"cpu": _prepare_cpu, "cuda": _prepare_cuda}
+_cpu = gathered_backend(_prepare_cpu, lambda: extension())
+_cuda = gathered_backend(_prepare_cuda, lambda: extension())
 
 _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 
@@ -101,7 +106,7 @@ _IMPLS = {"cpu": _cpu, "cuda": _cuda, "triton": _triton, "torch": _torch}
 class Prepared(PreparedCall):
     """:func:`sign_sgd_` over fixed params (:mod:`frugal_kernels.ops.prepared`)."""
 
-    op, impls, prepare_cpu = OP, _IMPLS, staticmethod(_prepare_cpu)
+    op, impls, prepared = OP, _IMPLS, _PREPARED
 
     def __init__(self, params: List[Tensor], backend: str):
         super().__init__(Tensors(params, []), params, backend)

@@ -118,3 +118,22 @@ def test_a_prepared_call_over_no_tensors_does_nothing():
                                               [torch.tensor([0, 2], dtype=torch.int32)],
                                               kind="columns", backend="cpu")
     prepared([torch.zeros(0, 3)], lr=torch.tensor(0.1), step=torch.tensor(1.0), **ADAMW)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op,kind", CASES, ids=[f"{o}{k or ''}" for o, k in CASES])
+def test_a_prepared_call_on_the_cuda_backend_gives_the_ops_bits(op, kind, dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: torch.cuda.is_available() is False")
+    tensors, static, hyper = _case(op, dtype, kind)
+    tensors = tuple([t.cuda() for t in lst] for lst in tensors)
+    theirs = [[t.clone() for t in lst] for lst in tensors]
+    prepared = _prepare(op, tensors, static, "cuda")
+    for step in range(1, 5):
+        grads = [g.cuda() for g in _grads(tensors[0], dtype, seed=step)]
+        prepared(grads, **hyper, **_scalars(op, step))
+        _call_op(op, theirs, grads, static, dict(hyper, **_scalars(op, step)), "cuda")
+    for ours, want in zip(tensors, theirs):
+        for a, b in zip(ours, want):
+            assert torch.equal(a, b)
