@@ -114,7 +114,7 @@ def test_an_empty_list_has_norm_zero():
     (lambda: ops.grad_norm([torch.ones(3, dtype=torch.int32)]), TypeError, "int32"),
     (lambda: ops.grad_norm([torch.ones(3), "x"]), TypeError, "grads[1]"),
     (lambda: ops.grad_norm([torch.ones(3), torch.ones(3, device="meta")]), ValueError,
-     "one device"),
+     "call once per device"),
     (lambda: ops.grad_norm([torch.ones(3)], backend="nope"), ValueError, "unknown backend"),
     (lambda: ops.grad_norm([torch.ones(3)], backend="cuda"), ValueError, "cuda"),
 ])
