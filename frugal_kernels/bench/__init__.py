@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from frugal_kernels.bench import clip as _clip
 from frugal_kernels.bench import dqt as _dqt
 from frugal_kernels.bench import fingerprint as _fingerprint
 from frugal_kernels.bench import in_backward as _in_backward
@@ -23,13 +24,13 @@ from frugal_kernels.bench import report
 __all__ = ["run", "SECTIONS"]
 
 # The parts of a run, as `frugal-kernels bench --only` names them.
-SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt")
+SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt", "clip")
 
 
 def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None,
         op_names: Optional[Sequence[str]] = None, with_ops: bool = True,
         with_optimizers: bool = True, with_overhead: bool = True, with_in_backward: bool = True,
-        with_dqt: bool = True,
+        with_dqt: bool = True, with_clip: bool = True,
         preset: Optional[str] = None,
         rounds: Optional[int] = None, dtypes: Optional[Sequence[str]] = None,
         command: str = "") -> dict:
@@ -94,6 +95,14 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
         if "skipped" in result["dqt"]["forward"]:
             print(f"dqt forward (QuantLinear with quant_matmul vs nn.Linear): skipped, "
                   f"{result['dqt']['forward']['skipped']}")
+    if with_clip:
+        # The default step and clip + step against torch's (issue 31): one 4096 x 4096
+        # matrix and the LLaMA shapes (20m in a quick run, 130m otherwise).
+        clip_preset = given_preset or ("20m" if quick else "130m")
+        with tqdm(total=1, desc=f"clip + step ({clip_preset})", unit="part") as bar:
+            result["clip"] = _clip.clip_rows(clip_preset, device=dev,
+                                             rounds=max(3, rounds // 2))
+            bar.update(1)
     out = Path(out) if out is not None else Path("bench/results")
     stem = _fingerprint.device_id(fp) + ("-quick" if quick else "")
     result["files"] = [str(p) for p in report.write(result, out, stem)]
