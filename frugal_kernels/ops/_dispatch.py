@@ -36,7 +36,7 @@ CAPABILITIES = {
     # QuantLinear's CPU path is its own blocked dequantize-then-GEMM: no C++ kernel.
     "frugal::quant_matmul": frozenset(("triton", "torch")),
     # The global gradient norm and non-finite flag (out of place).
-    "frugal::grad_norm": frozenset(("cpu", "torch")),
+    "frugal::grad_norm": frozenset(("cpu", "triton", "torch")),
 }
 
 

@@ -80,11 +80,16 @@ def _cpu(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
             torch.tensor([0.0 if math.isfinite(norm) else 1.0], dtype=torch.float32))
 
 
+def _triton(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
+    from frugal_kernels.kernels.triton.grad_norm import grad_norm as kernel
+    return kernel(grads, math.isinf(norm_type))
+
+
 def _torch(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
     return reference.grad_norm(grads, norm_type=norm_type)
 
 
-_IMPLS = {"cpu": _cpu, "torch": _torch}
+_IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
 
 
 def grad_norm(grads: Sequence[Tensor], *, norm_type: float = 2.0,
