@@ -90,6 +90,7 @@ def _bench(args: argparse.Namespace) -> int:
                        with_optimizers="optimizers" in sections and not args.no_optimizers,
                        with_overhead=with_overhead,
                        with_dqt="dqt" in sections,
+                       with_clip="clip" in sections,
                        with_in_backward="in_backward" in sections and not args.no_in_backward,
                        preset=args.preset, rounds=args.rounds, dtypes=args.dtypes,
                        fresh_processes=args.fresh_processes, stem=args.stem, only=args.only,

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from frugal_kernels.bench import clip as _clip
 from frugal_kernels.bench import dqt as _dqt
 from frugal_kernels.bench import fingerprint as _fingerprint
 from frugal_kernels.bench import in_backward as _in_backward
@@ -24,7 +25,7 @@ from frugal_kernels.bench import report
 __all__ = ["run", "SECTIONS", "default_stem", "device_defaults"]
 
 # The parts of a run, as `frugal-kernels bench --only` names them, in the order they run.
-SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt")
+SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt", "clip")
 
 
 def default_stem(fingerprint: dict, quick: bool, only: Optional[Sequence[str]] = None) -> str:
@@ -46,7 +47,7 @@ def device_defaults(device: torch.device) -> dict:
 def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None,
         op_names: Optional[Sequence[str]] = None, with_ops: bool = True,
         with_optimizers: bool = True, with_overhead: Optional[bool] = None,
-        with_in_backward: bool = True, with_dqt: bool = True,
+        with_in_backward: bool = True, with_dqt: bool = True, with_clip: bool = True,
         preset: Optional[str] = None,
         rounds: Optional[int] = None, dtypes: Optional[Sequence[str]] = None,
         fresh_processes: Optional[bool] = None, stem: Optional[str] = None,
@@ -149,6 +150,16 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
             print(f"dqt forward (QuantLinear with quant_matmul vs nn.Linear): skipped, "
                   f"{dqt['forward']['skipped']}")
         done("dqt", since)
+    if with_clip:
+        since = time.perf_counter()
+        # The default step and clip + step against torch's (issue 31): one 4096 x 4096
+        # matrix and the LLaMA shapes (20m in a quick run, 130m otherwise).
+        clip_preset = given_preset or ("20m" if quick else "130m")
+        with tqdm(total=1, desc=f"clip + step ({clip_preset})", unit="part") as bar:
+            result["clip"] = _clip.clip_rows(clip_preset, device=dev,
+                                             rounds=max(3, rounds // 2))
+            bar.update(1)
+        done("clip", since)
     result["complete"] = True
     result["files"] = [str(p) for p in report.write(result, out, stem)]
     return result

@@ -83,7 +83,29 @@ def markdown(result: dict) -> str:
                         [[name, f"{t * 1e3:.1f}", f"{step['vs_linear_adamw'][name]:.2f}"]
                          for name, t in step["seconds"].items()])
         lines += _dqt_forward_lines(dqt.get("forward"))
+    lines += _clip_lines(result.get("clip"))
     return "\n".join(lines)
+
+
+def _clip_lines(clip: Optional[dict]) -> List[str]:
+    if not clip:
+        return []
+    lines = ["## The default step, and clip + step, against torch's", "",
+             "*step*: the optimizer's step with its defaults (`nonfinite=\"skip\"`) against "
+             "`torch.optim.AdamW(fused=True)`; *clip + step*: `opt.clip_grad_norm_(1.0); "
+             "opt.step()` against `torch.nn.utils.clip_grad_norm_(params, 1.0)` + fused "
+             "AdamW's step. Ratios above 1 are faster than torch; all in the same rounds.", ""]
+    for name, part in clip.items():
+        lines += [f"### {name} ({_fmt_numel(part['numel'])} params): torch fused AdamW "
+                  f"{part['torch_adamw_fused_ms']:.1f} ms, torch clip + fused AdamW "
+                  f"{part['torch_clip_adamw_fused_ms']:.1f} ms", ""]
+        lines += _table(["optimizer", "step ms", "x fused AdamW", "clip + step ms",
+                         "x torch clip + fused AdamW"],
+                        [[r["optimizer"], f"{r['step_ms']:.1f}", f"{r['step_vs_fused_adamw']:.2f}",
+                          f"{r['clip_step_ms']:.1f}" if "clip_step_ms" in r else "-",
+                          f"{r['clip_step_vs_torch']:.2f}" if "clip_step_vs_torch" in r else "-"]
+                         for r in part["rows"]])
+    return lines
 
 
 def _dqt_forward_lines(fwd: Optional[dict]) -> List[str]:

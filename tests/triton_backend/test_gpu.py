@@ -288,3 +288,23 @@ def test_quant_matmul(bits, transpose_weight, dtype):
                                cols=cols, transpose_weight=transpose_weight, backend="triton")
         assert_within_gemm_bound(out.cpu(), a, q, scales, bias, transpose_weight,
                                  what=f"{(m, rows, cols)}")
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2", "inf"])
+def test_grad_norm(norm_type):
+    """The compiled norm kernel against the cpu backend (fp64 sums in another order: equal
+    to fp32 rounding) and its flag for every non-finite value."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(n, generator=gen) * 3).to(dtype)
+             for dtype in DTYPES for n in SIZES]
+    norm, found = ops.grad_norm([g.cuda() for g in grads], norm_type=norm_type,
+                                backend="triton")
+    expected, _ = ops.grad_norm(grads, norm_type=norm_type, backend="cpu")
+    assert norm.device.type == "cuda" and found.item() == 0.0
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    for bad, want in [(float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "inf")]:
+        broken = [g.cuda() for g in grads]
+        broken[4][999_999] = bad
+        norm, found = ops.grad_norm(broken, norm_type=norm_type, backend="triton")
+        assert found.item() == 1.0
+        assert str(norm.item()) == want
