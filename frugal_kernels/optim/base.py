@@ -700,9 +700,9 @@ def _nonfinite_flag(grads: List[Tensor]) -> Tensor:
     ``grads`` (plain tensors, a DTensor's local block) holds a NaN or an infinity, else
     0, computed on the devices without a host sync.
 
-    One read of the gradients per device: ``ops.grad_norm``'s on the CPU (threaded, at
-    memory bandwidth), else GradScaler's own check (which multiplies them by 1.0, leaving
-    every value as it was)."""
+    One read of the gradients per device: ``ops.grad_norm``'s on the CPU for large
+    gradients (threaded, at memory bandwidth), else GradScaler's own check (which
+    multiplies them by 1.0, leaving every value as it was)."""
     device = grads[0].device
     if len(set(map(Tensor.get_device, grads))) == 1:
         by_device = {device: grads}  # the common case, without a dict of lists
@@ -712,7 +712,7 @@ def _nonfinite_flag(grads: List[Tensor]) -> Tensor:
             by_device[g.device].append(g)
     flag = None
     for dev, on_dev in by_device.items():
-        if _fused_norm(dev):
+        if _fused_norm(dev, on_dev):
             found = ops.grad_norm(on_dev)[1]
         else:
             found = torch.zeros(1, device=dev)
@@ -722,13 +722,21 @@ def _nonfinite_flag(grads: List[Tensor]) -> Tensor:
     return flag
 
 
-def _fused_norm(device: torch.device) -> bool:
-    """Whether the flag is read with ``ops.grad_norm``: on the CPU, where its C++ kernel
-    reads the gradients on every thread and GradScaler's check on one (about 7 ms of a
-    10-17 ms FRUGAL step on a 4096 x 4096 matrix, issue 31). On a GPU that check is itself
-    one fused read at bandwidth, launched without the host work of a Triton launch and
-    capturable in a CUDA graph, so it stays."""
-    return device.type == "cpu" and ops.resolve("auto", device, "frugal::grad_norm") == "cpu"
+# Below this many gradient elements the flag is GradScaler's check even on the CPU: one
+# C++ call over the list, where ops.grad_norm's checks and dispatch cost more host time
+# than its threads save (the host-overhead bench's 111 tensors of 8,334 elements in all
+# took about 2x the time per step through it).
+_THREADED_FLAG_MIN = 1 << 20
+
+
+def _fused_norm(device: torch.device, grads: List[Tensor]) -> bool:
+    """Whether the flag is read with ``ops.grad_norm``: on the CPU, for gradients large
+    enough that its C++ kernel's threads pay (GradScaler's check reads them on one thread:
+    about 7 ms of a 10-17 ms FRUGAL step on a 4096 x 4096 matrix, issue 31). On a GPU that
+    check is itself one fused read at bandwidth, launched without the host work of a
+    Triton launch and capturable in a CUDA graph, so it stays."""
+    return (device.type == "cpu" and sum(map(Tensor.numel, grads)) >= _THREADED_FLAG_MIN
+            and ops.resolve("auto", device, "frugal::grad_norm") == "cpu")
 
 
 def global_norm(grads: List[Tensor], norm_type: float, shard_groups: List[Any]

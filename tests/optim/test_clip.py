@@ -128,3 +128,28 @@ def test_error_if_nonfinite_raises_as_torch_does():
     set_grads(params, grads)
     with pytest.raises(RuntimeError, match="non-finite"):
         opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
+@pytest.mark.parametrize("rows,threaded", [(1100, True), (10, False)])
+def test_the_default_skip_check_reads_large_gradients_with_grad_norm(monkeypatch, rows,
+                                                                     threaded):
+    """Without a clip, nonfinite="skip" reads the gradients once for its flag: through
+    ops.grad_norm's threaded kernel on the CPU when they are large, GradScaler's check
+    when they are small (its host time is lower); either way a NaN skips the step."""
+    import frugal_kernels as fk
+    from frugal_kernels import ops
+
+    calls = []
+    real = ops.grad_norm
+    monkeypatch.setattr(ops, "grad_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p = torch.nn.Parameter(torch.randn(rows, 1000))
+    opt = fk.FRUGAL([p], lr=0.1, projection="rows", density=0.5)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = p.detach().clone()
+    p.grad = torch.randn_like(p)
+    p.grad[rows - 1, 999] = float("nan")
+    opt.step()
+    assert torch.equal(p.detach(), before)
+    assert bool(calls) == (threaded and "cpu" in ops.usable_backends("cpu",
+                                                                     "frugal::grad_norm"))
