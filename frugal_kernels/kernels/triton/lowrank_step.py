@@ -177,4 +177,5 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
             p, grads[i], low_updates[i], low_grads[i], projections[i], tail, m, n, r, *scalars,
             amp if use_amp else p, AMP=use_amp, SIDE=side, STATE_FREE=STATE_FREE_CODES[state_free],
             SCALARS_IN_KERNEL=bool(scalars_in_kernel), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, RANK_STEPS=triton.cdiv(r, BLOCK_K), num_warps=NUM_WARPS, enable_fp_fusion=False)
+            BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, RANK_STEPS=triton.cdiv(r, BLOCK_K),
+            num_warps=NUM_WARPS, enable_fp_fusion=False)

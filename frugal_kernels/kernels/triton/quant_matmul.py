@@ -115,5 +115,5 @@ def quant_matmul(a: Tensor, codes: Tensor, scales: Tensor, bias: Optional[Tensor
         a, codes, scales, out if bias is None else bias, out, m, n, k, a.stride(0), a.stride(1),
         codes.shape[1], int(scales.numel() > 1), HAS_BIAS=bias is not None,
         TRANSPOSE=bool(transpose_weight), WIDE=wide_products(a.dtype), BITS=bits,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, K_STEPS=triton.cdiv(k, BLOCK_K),
-        num_warps=NUM_WARPS)
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+        K_STEPS=triton.cdiv(k, BLOCK_K), num_warps=NUM_WARPS)
