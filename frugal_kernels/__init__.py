@@ -7,6 +7,12 @@ Layers (see DESIGN.md): ``frugal_kernels.ops`` holds the fused ops as
 """
 
 from frugal_kernels._version import __version__
+from frugal_kernels import _versions
+
+# Before the imports below, so that on an older torch the warning comes first even if
+# one of them then fails.
+_versions.warn_if_unsupported()
+
 from frugal_kernels._build_info import build_info
 from frugal_kernels import nn, ops, reference
 from frugal_kernels.governor import Governor

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Groups of one layer know nothing of each other.
 LAYERS = {
     "frugal_kernels._version": 0,
+    "frugal_kernels._versions": 0,  # the supported torch and Triton versions
     "frugal_kernels._layout": 0,
     "frugal_kernels._quant": 0,
     "frugal_kernels._C": 0,  # the compiled kernels (a shared library, not a .py file)

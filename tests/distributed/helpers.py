@@ -4,7 +4,10 @@ how far two runs are apart."""
 
 from __future__ import annotations
 
+import inspect
 import socket
+
+from torch import nn
 
 import frugal_kernels as fk
 
@@ -13,6 +16,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ddp_without_buffer_sync(module, **options):
+    """DistributedDataParallel that never broadcasts the module's buffers, neither at
+    construction nor in forward. torch 2.13 deprecates ``broadcast_buffers`` for
+    ``forward_sync_buffers`` (with a FutureWarning); torch 2.11 has only the former.
+    With ``init_sync=False`` there is no construction sync, so the two mean the same."""
+    accepted = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    flag = "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
+    return nn.parallel.DistributedDataParallel(module, init_sync=False, **{flag: False},
+                                               **options)
 
 
 def save(model, opt, path):

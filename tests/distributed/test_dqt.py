@@ -31,7 +31,7 @@ import frugal_kernels as fk
 from frugal_kernels._layout import row_chunk
 from frugal_kernels.nn import QuantLinear, QuantWeight, shard_quantized_
 
-from .helpers import free_port, load, save
+from .helpers import ddp_without_buffer_sync, free_port, load, save
 
 STEPS = 4
 CUT = 2  # checkpoints are taken after CUT steps
@@ -164,8 +164,7 @@ def _rank(rank, world, port, out):
         for value in model.state_dict().values():
             if isinstance(value, torch.Tensor):
                 dist.broadcast(value, src=0)
-        ddp = nn.parallel.DistributedDataParallel(model, init_sync=False,
-                                                  forward_sync_buffers=False)
+        ddp = ddp_without_buffer_sync(model)
         opt = optimizer(name, model)
         state_bytes = []
         train(ddp, opt, rank=rank, world=world, state_bytes=state_bytes)

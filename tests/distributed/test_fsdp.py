@@ -123,12 +123,16 @@ class CollectiveCounter:
     """Counts the collectives called while it is on (the optimizers call them through
     torch.distributed, and DTensor's full_tensor for an svd's gradient)."""
 
+    # all_gather_single is new in torch 2.13 (which deprecates all_gather_into_tensor);
+    # torch 2.11 has only the latter, so only the names this torch has are wrapped.
     NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather",
              "all_to_all_single", "broadcast")
 
     def __init__(self):
         self.counts, self.on, self._real = Counter(), False, {}
         for name in self.NAMES:
+            if not hasattr(dist, name):
+                continue
             real = self._real[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, real))
         from torch.distributed.tensor import DTensor
@@ -367,7 +371,10 @@ def test_low_rank_kinds_reduce_the_left_projections(runs, name):
     left = 3
     for t, step in enumerate(steps):
         assert step.get("all_reduce", 0) == left + 1, (name, t, step)
-        assert step.get("all_gather_single", 0) == left, (name, t, step)
+        # The optimizer gathers with all_gather_single where torch has it (2.13), else
+        # with all_gather_into_tensor (2.11).
+        gathers = step.get("all_gather_single", 0) + step.get("all_gather_into_tensor", 0)
+        assert gathers == left, (name, t, step)
         changed = t % 2 == 0  # update_gap=2: new subspaces at steps 1, 3, 5
         # svd: every gradient gathered, and the first rank's projection broadcast.
         expect = 4 if name.endswith("svd") and changed else 0

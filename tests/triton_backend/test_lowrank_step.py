@@ -168,7 +168,7 @@ _COMPILE = textwrap.dedent("""
     for side, param, in_kernel in ((0, "fp32", False), (1, "bf16", True), (0, "fp16", True)):
         constexprs = dict(AMP=in_kernel, SIDE=side, STATE_FREE=0, SCALARS_IN_KERNEL=in_kernel,
                           BLOCK_M=k.BLOCK_M, BLOCK_N=k.BLOCK_N, BLOCK_K=k.BLOCK_K,
-                          GROUP_M=k.GROUP_M)
+                          GROUP_M=k.GROUP_M, RANK_STEPS=4)  # rank 97 to 128
         if not in_kernel:
             constexprs["tail"] = None  # as launched when lr is on the host
         signature = {"p_ptr": "*" + param, "g_ptr": "*" + param, "u_ptr": "*fp32",

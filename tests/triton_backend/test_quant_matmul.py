@@ -85,7 +85,7 @@ _COMPILE = textwrap.dedent("""
                                                               k.BLOCK_M_SMALL)):
         constexprs = dict(HAS_BIAS=bias, TRANSPOSE=transpose, WIDE=wide, BITS=bits,
                           BLOCK_M=block_m, BLOCK_N=k.BLOCK_N, BLOCK_K=k.BLOCK_K,
-                          GROUP_M=k.GROUP_M)
+                          GROUP_M=k.GROUP_M, K_STEPS=24)  # K from 737 to 768
         signature = {"a_ptr": "*" + dtype, "codes_ptr": "*u8", "scale_ptr": "*fp32",
                      "bias_ptr": "*" + dtype, "out_ptr": "*" + dtype,
                      **{n: "i32" for n in ("M", "N", "K", "stride_am", "stride_ak",

@@ -57,7 +57,8 @@ _RIGHT = tl.constexpr(RIGHT)  # the other side is _layout.LEFT
 
 @triton.jit
 def _back_projections(u_ptr, lg_ptr, proj_ptr, rows, cols, M, N, R, SIDE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      RANK_STEPS: tl.constexpr):
     """The tile (rows, cols) of up(low_update) and up(low_grad), in fp32.
 
     input_precision="ieee": true fp32 products. TF32 (Triton's default for fp32
@@ -75,8 +76,13 @@ def _back_projections(u_ptr, lg_ptr, proj_ptr, rows, cols, M, N, R, SIDE: tl.con
     row_in = rows < M
     col_in = cols < N
     ks = tl.arange(0, BLOCK_K).to(tl.int64)
-    for k0 in range(0, R, BLOCK_K):
-        kk = k0 + ks
+    # The trip count is a constexpr, cdiv(R, BLOCK_K), not range(0, R, BLOCK_K): the
+    # interpreter of Triton 3.6 turns a runtime bound into an int with int() of a
+    # 1-element array, which numpy >= 2.4 refuses. Compiled, both are the same scf.for
+    # (software-pipelined alike); the price is one variant per distinct cdiv(R, 32),
+    # and a model's ranks are few.
+    for k_step in range(RANK_STEPS):
+        kk = k_step * BLOCK_K + ks
         k_in = kk < R
         if SIDE == _RIGHT:
             # low tensors [M, R], P [R, N]
@@ -103,13 +109,15 @@ def _back_projections(u_ptr, lg_ptr, proj_ptr, rows, cols, M, N, R, SIDE: tl.con
 
 # M and R are not specialised (Triton compiles a variant per "== 1" and "% 16 == 0" of
 # each specialised integer, so a model's tensors could need several): M only bounds the
-# tiles, and R the rank loop of a compute-bound kernel. N stays specialised: its
+# tiles, and R the masks of the rank loop (whose trip count is RANK_STEPS) of a
+# compute-bound kernel. N stays specialised: its
 # divisibility lets the loads and the store of p and g be vectorised.
 @triton.jit(do_not_specialize=["M", "R"])
 def _lowrank_step_kernel(p_ptr, g_ptr, u_ptr, lg_ptr, proj_ptr, tail, M, N, R, decay, step, amp,
                          AMP: tl.constexpr, SIDE: tl.constexpr, STATE_FREE: tl.constexpr,
                          SCALARS_IN_KERNEL: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         RANK_STEPS: tl.constexpr):
     if SCALARS_IN_KERNEL:
         lr = tail_scalar(tail, 0)
         decay = (1.0 - lr * tail_f64(tail, 1)).to(tl.float32)
@@ -119,7 +127,7 @@ def _lowrank_step_kernel(p_ptr, g_ptr, u_ptr, lg_ptr, proj_ptr, tail, M, N, R, d
     rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     up_update, up_grad = _back_projections(u_ptr, lg_ptr, proj_ptr, rows, cols, M, N, R, SIDE,
-                                           BLOCK_M, BLOCK_N, BLOCK_K)
+                                           BLOCK_M, BLOCK_N, BLOCK_K, RANK_STEPS)
     at = rows[:, None] * N + cols[None, :]
     if AMP:
         # A GradScaler found an inf: no row is read or written, decided on the device.
@@ -174,4 +182,5 @@ def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
             p, grads[i], low_updates[i], low_grads[i], projections[i], tail, m, n, r, *scalars,
             amp if use_amp else p, AMP=use_amp, SIDE=side, STATE_FREE=STATE_FREE_CODES[state_free],
             SCALARS_IN_KERNEL=bool(scalars_in_kernel), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_warps=NUM_WARPS, enable_fp_fusion=False)
+            BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, RANK_STEPS=triton.cdiv(r, BLOCK_K),
+            num_warps=NUM_WARPS, enable_fp_fusion=False)

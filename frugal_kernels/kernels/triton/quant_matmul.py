@@ -52,7 +52,7 @@ def _quant_matmul_kernel(a_ptr, codes_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K
                          stride_ak, packed_cols, scale_stride, HAS_BIAS: tl.constexpr,
                          TRANSPOSE: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         GROUP_M: tl.constexpr, K_STEPS: tl.constexpr):
     tile_m, tile_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # int64 offsets: M * N or a weight's size may pass 2^31.
     rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,8 +64,10 @@ def _quant_matmul_kernel(a_ptr, codes_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K
         # B = W.T: the output columns are W's rows, each with its scale.
         scale = tl.load(scale_ptr + cols * scale_stride, mask=col_in, other=0.0)[None, :]
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
+    # A constexpr trip count, cdiv(K, BLOCK_K), for Triton 3.6's interpreter as in
+    # lowrank_step._back_projections; a model has few distinct K (its layers' widths).
+    for k_step in range(K_STEPS):
+        kk = k_step * BLOCK_K + ks
         k_in = kk < K
         a = tl.load(a_ptr + (rows[:, None] * stride_am + kk[None, :] * stride_ak),
                     mask=row_in[:, None] & k_in[None, :], other=0.0)
@@ -113,4 +115,5 @@ def quant_matmul(a: Tensor, codes: Tensor, scales: Tensor, bias: Optional[Tensor
         a, codes, scales, out if bias is None else bias, out, m, n, k, a.stride(0), a.stride(1),
         codes.shape[1], int(scales.numel() > 1), HAS_BIAS=bias is not None,
         TRANSPOSE=bool(transpose_weight), WIDE=wide_products(a.dtype), BITS=bits,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_warps=NUM_WARPS)
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+        K_STEPS=triton.cdiv(k, BLOCK_K), num_warps=NUM_WARPS)
