@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from frugal_kernels import ops
 from frugal_kernels._layout import on_device
-from frugal_kernels.optim import sharding
+from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.base import (_check_new_params, _check_sharded_gradient,
                                        _refuse_gradient, check_adamw_options, check_int,
                                        check_nonfinite, first_nonfinite, skip_flag)
@@ -61,8 +61,9 @@ class BAdam(torch.optim.Optimizer):
     ``switch_every`` steps, then the next block takes over. Inactive blocks have
     ``requires_grad=False``, ``grad=None`` and no state, so backward computes no
     weight gradient for them; parameters outside every block stay frozen. The active
-    block is stepped by the fused :func:`frugal_kernels.ops.adamw_`, one call per
-    (dtype, device) group, with moments created at its first step and dropped (and
+    block is stepped by the fused :func:`frugal_kernels.ops.adamw_` through the
+    engine's plan (:mod:`frugal_kernels.optim.plan`: one bucket per (dtype, device),
+    prepared once per block), with moments created at its first step and dropped (and
     the freed memory handed back to the OS) at the switch, so ``state_bytes()``
     counts the active block only. Each block starts its AdamW afresh: moments at
     zero and bias correction from step 1, as a new ``torch.optim.AdamW`` would.
@@ -191,6 +192,12 @@ class BAdam(torch.optim.Optimizer):
         self.inner = inner
         self._frugal_options = dict(frugal_options)
         self._inner: Optional[FRUGAL] = None  # inner="frugal": the active block's optimizer
+        # inner="adamw": the plan of the active block, for its tensors with gradients
+        # (those tensors, the buckets), and a bucket per tensor for steps in backward.
+        self._block_buckets: Tuple[List[Tensor], List[plan.Bucket]] = ([], [])
+        self._tensor_buckets: Dict[Tensor, plan.Bucket] = {}
+        # A float lr (what LR schedulers set) is copied into this tensor at each step.
+        self._lr = torch.tensor(0.0, dtype=torch.float64)
         # The DTensor parameters' layouts (FSDP2): where each rank's rows lie.
         self._layouts = {p: layout for n, ps in zip(names, block_params) for i, p in
                          enumerate(ps)
@@ -397,29 +404,47 @@ class BAdam(torch.optim.Optimizer):
 
     def _update(self, group: dict, params: List[Tensor], grad_scale: Optional[Tensor],
                 found_inf: Optional[Tensor]) -> None:
-        beta1, beta2 = group["betas"]
-        counts = self._block_updates
+        """The active block's ``params`` take AdamW through the engine's plan: one bucket
+        per (dtype, device), fp32 params on the ``adamw`` rule, bf16 / fp16 ones on
+        ``adamw_master``, all with the block's count of applied updates."""
+        if len(params) == 1:
+            bucket = self._tensor_buckets.get(params[0])
+            if bucket is None:
+                bucket = self._tensor_buckets[params[0]] = self._buckets(group, params)[0]
+            buckets = [bucket]
+        else:
+            kept, buckets = self._block_buckets
+            if len(kept) != len(params) or any(a is not b for a, b in zip(kept, params)):
+                buckets = self._buckets(group, params)
+                self._block_buckets = (params, buckets)
+        if isinstance(group["lr"], Tensor):
+            lr = group["lr"]
+        else:
+            lr = self._lr.fill_(group["lr"])
+        for bucket in buckets:
+            device = bucket.params[0].device
+            bucket.lr = lr
+            bucket.step = on_device(self._block_updates, device)
+            # A DTensor is stepped through its local block (a view of its storage).
+            plan.run(bucket, [sharding.local(p.grad) for p in bucket.params], self.backend,
+                     grad_scale, on_device(found_inf, device))
+
+    def _buckets(self, group: dict, params: List[Tensor]) -> List[plan.Bucket]:
         by_kind: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = defaultdict(list)
         for p in params:
             by_kind[(p.dtype, p.device)].append(p)
-        for (dtype, device), ps in by_kind.items():
-            states = [self._state_of(p) for p in ps]
-            # A DTensor is stepped through its local block (a view of its storage).
-            grads = [sharding.local(p.grad) for p in ps]
-            ps = [sharding.local(p) for p in ps]
-            if dtype == torch.float32:
-                targets = ps
-            else:
-                targets = [st["master"] for st in states]
-                grads = [g.float() for g in grads]
-            ops.adamw_(targets, grads, [st["exp_avg"] for st in states],
-                       [st["exp_avg_sq"] for st in states], lr=group["lr"], beta1=beta1,
-                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                       step=on_device(counts, device),
-                       grad_scale=grad_scale,
-                       found_inf=on_device(found_inf, device), backend=self.backend)
-            if dtype != torch.float32:
-                torch._foreach_copy_(ps, targets)
+        return [plan.Bucket(plan.ADAMW if dtype == torch.float32 else plan.ADAMW_MASTER,
+                            group, self._lr, ps, [self._layouts.get(p) for p in ps],
+                            states=[self._state_of(p) for p in ps])
+                for (dtype, _), ps in by_kind.items()]
+
+    def _drop_buckets(self) -> None:
+        """Let go of the buckets (and the prepared calls, which hold the moments) of a
+        block whose state is replaced: at a switch and a load."""
+        plan.release(self._block_buckets[1])
+        plan.release(list(self._tensor_buckets.values()))
+        self._block_buckets = ([], [])
+        self._tensor_buckets = {}
 
     def _sync_inner(self, group: dict) -> None:
         """The block's lr, betas, eps and weight decay, as they are now, into its FRUGAL."""
@@ -478,6 +503,7 @@ class BAdam(torch.optim.Optimizer):
     def _switch(self, reason: str) -> None:
         for p in self.param_groups[self.active_block_index]["params"]:
             _deactivate(p)
+        self._drop_buckets()
         self.state = defaultdict(dict)  # _activate gives the new block its entries
         self._inner = None
         release_freed_memory()
@@ -664,6 +690,7 @@ class BAdam(torch.optim.Optimizer):
         # parameters' dtype: load the groups through it and the state here.
         super().load_state_dict({"state": {}, "param_groups": [
             {k: v for k, v in g.items() if k != "badam"} for g in saved_groups]})
+        self._drop_buckets()
         self.state = defaultdict(dict, loaded)
         self._frozen = frozen
         for p in self._trained(active):
