@@ -129,7 +129,7 @@ def _progress(args: argparse.Namespace):
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from frugal_kernels import demo
+    from frugal_kernels.lab import demo
 
     config = _train_config(args, demo.DEFAULTS)
     names = demo.available(demo.resolve(args.optimizers))
@@ -200,9 +200,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
-    from frugal_kernels import demo
-    from frugal_kernels.data import load_corpus
-    from frugal_kernels.train import TrainConfig, steps_for_budget
+    from frugal_kernels.lab import demo
+    from frugal_kernels.lab.corpus import load_corpus
+    from frugal_kernels.lab.train import TrainConfig, steps_for_budget
     import torch.distributed as dist
 
     # The first rank speaks for a parallel run.
@@ -249,7 +249,7 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from frugal_kernels import demo, sweep
+    from frugal_kernels.lab import demo, sweep
 
     config = _train_config(args, demo.DEFAULTS)
     print(f"frugal-kernels sweep: the {config.model} model, {config.steps} steps of "
@@ -328,8 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="frugal-kernels",
         description="Memory-frugal LLM training: FRUGAL-family optimizers on fused kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
-    from frugal_kernels import demo
-    from frugal_kernels.train import TrainConfig
+    from frugal_kernels.lab import demo
+    from frugal_kernels.lab.train import TrainConfig
 
     demo_parser = sub.add_parser(
         "demo", help="train one model with AdamW, FRUGAL, AdaFRUGAL and their peers and "
@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="the matrices' lr over the lr (default: 1)")
     sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1], metavar="S",
                               help="seeds of the initial weights and batches (default: 0 1)")
-    from frugal_kernels import tuned
+    from frugal_kernels.lab import tuned
 
     sweep_parser.add_argument("--write-tuned", nargs="?", type=Path, const=tuned.PATH,
                               metavar="PATH",

@@ -17,6 +17,7 @@ from frugal_kernels.optim.base import (_check_new_params, _check_sharded_gradien
                                        _refuse_gradient, check_adamw_options, check_int,
                                        check_nonfinite, first_nonfinite, skip_flag)
 from frugal_kernels.optim.frugal import FRUGAL
+from frugal_kernels.optim.governed import suggested_factor
 from frugal_kernels.optim.memory import release_freed_memory
 
 __all__ = ["BAdam", "SWITCH_MODES", "INNER_OPTIMIZERS"]
@@ -252,9 +253,7 @@ class BAdam(torch.optim.Optimizer):
         ``switch_every`` by ``decision.suggestion["switch_every_factor"]``, or, when
         that key is absent, by the Governor's default ``"update_gap_factor"`` (BAdam's
         switch interval plays the part of FRUGAL's T). Factors <= 1 change nothing."""
-        suggestion = getattr(decision, "suggestion", None) or {}
-        factor = float(suggestion.get("switch_every_factor",
-                                      suggestion.get("update_gap_factor", 1.0)))
+        factor = suggested_factor(decision, "switch_every_factor", "update_gap_factor")
         if factor <= 1.0:
             return
         new = math.ceil(self._switch_every * factor)
