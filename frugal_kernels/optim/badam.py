@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from frugal_kernels import ops
 from frugal_kernels._layout import on_device
@@ -203,9 +204,11 @@ class BAdam(torch.optim.Optimizer):
         self._layouts = {p: layout for n, ps in zip(names, block_params) for i, p in
                          enumerate(ps)
                          if (layout := sharding.layout_of(p, f"block {n!r} params[{i}]"))}
-        # The parameters the user froze: never trained, whichever block is active.
+        # The parameters the user froze: never trained, whichever block is active. A
+        # parameter that a BAdam froze (an earlier one over the same model) is not one.
         self._frozen = {(gi, i) for gi, ps in enumerate(block_params)
-                        for i, p in enumerate(ps) if not p.requires_grad}
+                        for i, p in enumerate(ps)
+                        if not p.requires_grad and p not in _FROZEN_BY_BADAM}
         super().__init__([{"params": ps, "block": n} for n, ps in zip(names, block_params)],
                          defaults)
 
@@ -525,6 +528,7 @@ class BAdam(torch.optim.Optimizer):
 
     def _activate(self, index: int) -> None:
         for p in self._trained(index):
+            _FROZEN_BY_BADAM.pop(p, None)
             p.requires_grad_(True)
             # An empty entry until the block's first step: torch.distributed.checkpoint's
             # get/set_optimizer_state_dict take a step with zero gradients on an
@@ -707,6 +711,7 @@ class BAdam(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if gi == active and (gi, i) not in frozen:
+                    _FROZEN_BY_BADAM.pop(p, None)
                     p.requires_grad_(True)
                 else:
                     _deactivate(p)
@@ -792,7 +797,15 @@ def _check_extra(extra: dict, num_blocks: int) -> None:
                          "[block, index] pairs of this optimizer's blocks")
 
 
+# The tensors a BAdam froze (inactive blocks, parameters outside every block), so that a
+# later BAdam over the same model does not take them for parameters the user froze.
+# Keyed by identity: a deepcopy of the model has new tensors, which carry no mark.
+_FROZEN_BY_BADAM = WeakIdKeyDictionary()
+
+
 def _deactivate(p: Tensor) -> None:
+    if p.requires_grad:
+        _FROZEN_BY_BADAM[p] = True
     p.grad = None
     p.requires_grad_(False)
 

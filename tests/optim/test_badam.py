@@ -828,3 +828,18 @@ def test_a_parameter_of_a_dtype_the_ops_do_not_take_is_refused_at_construction(m
     after = snapshot(model)
     for name, (value, flag) in before.items():
         assert torch.equal(after[name][0], value) and after[name][1] == flag, name
+
+
+def test_a_second_badam_over_the_same_model_trains_every_block():
+    """The blocks a first BAdam froze are not the user's frozen parameters: a BAdam built
+    afterwards over the same model trains each of its blocks in turn (the user's own
+    frozen bias stays frozen)."""
+    model = Toy()
+    model.model.layers[0].bias.requires_grad_(False)
+    run_steps(model, badam(model, "ascending"), 0, SWITCH_EVERY + 1)
+    opt = fk.BAdam(model, switch_mode="ascending", switch_every=1, **HYPER)
+    start = snapshot(model)
+    run_steps(model, opt, 0, 3)
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, start[name][0])}
+    assert moved == {"model.layers.0.weight", "model.layers.1.weight", "model.layers.1.bias",
+                     "model.layers.2.weight", "model.layers.2.bias"}
