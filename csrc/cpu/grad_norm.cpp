@@ -44,14 +44,19 @@ inline void accumulate(double& acc, double x) {
   }
 }
 
+// Adds the n values of x into the lanes of acc, value i into lane i % kLanes: a chunk's
+// values go through here in order, in one run or in tiles of a multiple of kLanes.
 template <bool Max>
-double reduce_fp32(const float* __restrict__ g, int64_t n) {
-  double acc[kLanes] = {};
+inline void add_run(double* __restrict__ acc, const float* __restrict__ x, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) accumulate<Max>(acc[j], double(g[i + j]));
+    for (int j = 0; j < kLanes; ++j) accumulate<Max>(acc[j], double(x[i + j]));
   }
-  for (int j = 0; i < n; ++i, ++j) accumulate<Max>(acc[j], double(g[i]));
+  for (int j = 0; i < n; ++i, ++j) accumulate<Max>(acc[j], double(x[i]));
+}
+
+template <bool Max>
+inline double finish(const double* acc) {
   if constexpr (Max) {
     double m = 0.0;
     for (int j = 0; j < kLanes; ++j) accumulate<true>(m, acc[j]);
@@ -61,18 +66,17 @@ double reduce_fp32(const float* __restrict__ g, int64_t n) {
   }
 }
 
-// 16-bit gradients: converted to fp32 in L1 tiles (F16C for fp16 where the
-// level has it), then reduced as fp32. Each tile's lanes are continued by
-// the next tile, as if the chunk were one fp32 run.
+// 16-bit gradients are converted to fp32 in L1 tiles (F16C for fp16 where the level has
+// it) and added as fp32 runs.
 template <bool Max, typename T>
 double reduce(const T* __restrict__ g, int64_t n) {
+  double acc[kLanes] = {};
   if constexpr (std::is_same_v<T, float>) {
-    return reduce_fp32<Max>(g, n);
+    add_run<Max>(acc, g, n);
   } else {
-    constexpr int64_t kTile = 512;  // a multiple of kLanes: lanes stay aligned across tiles
+    constexpr int64_t kTile = 512;
     static_assert(kTile % kLanes == 0, "tiles must keep the lanes aligned");
     float tile[kTile];
-    double acc[kLanes] = {};
     for (int64_t a = 0; a < n; a += kTile) {
       const int64_t len = std::min(kTile, n - a);
 #if defined(__F16C__)
@@ -83,20 +87,10 @@ double reduce(const T* __restrict__ g, int64_t n) {
       {
         for (int64_t i = 0; i < len; ++i) tile[i] = to_float(g[a + i]);
       }
-      int64_t i = 0;
-      for (; i + kLanes <= len; i += kLanes) {
-        for (int j = 0; j < kLanes; ++j) accumulate<Max>(acc[j], double(tile[i + j]));
-      }
-      for (int j = 0; i < len; ++i, ++j) accumulate<Max>(acc[j], double(tile[i]));
-    }
-    if constexpr (Max) {
-      double m = 0.0;
-      for (int j = 0; j < kLanes; ++j) accumulate<true>(m, acc[j]);
-      return m;
-    } else {
-      return fold(acc);
+      add_run<Max>(acc, tile, len);
     }
   }
+  return finish<Max>(acc);
 }
 
 }  // namespace
