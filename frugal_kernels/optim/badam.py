@@ -9,11 +9,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from frugal_kernels import ops
 from frugal_kernels._layout import on_device
-from frugal_kernels.optim import sharding
-from frugal_kernels.optim.base import check_nonfinite, first_nonfinite, skip_flag
+from frugal_kernels.optim import plan, sharding
+from frugal_kernels.optim.base import (_check_new_params, _check_sharded_gradient,
+                                       _refuse_gradient, check_adamw_options, check_int,
+                                       check_nonfinite, first_nonfinite, skip_flag)
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.governed import suggested_factor
 from frugal_kernels.optim.memory import release_freed_memory
@@ -60,8 +63,9 @@ class BAdam(torch.optim.Optimizer):
     ``switch_every`` steps, then the next block takes over. Inactive blocks have
     ``requires_grad=False``, ``grad=None`` and no state, so backward computes no
     weight gradient for them; parameters outside every block stay frozen. The active
-    block is stepped by the fused :func:`frugal_kernels.ops.adamw_`, one call per
-    (dtype, device) group, with moments created at its first step and dropped (and
+    block is stepped by the fused :func:`frugal_kernels.ops.adamw_` through the
+    engine's plan (:mod:`frugal_kernels.optim.plan`: one bucket per (dtype, device),
+    prepared once per block), with moments created at its first step and dropped (and
     the freed memory handed back to the OS) at the switch, so ``state_bytes()``
     counts the active block only. Each block starts its AdamW afresh: moments at
     zero and bias correction from step 1, as a new ``torch.optim.AdamW`` would.
@@ -147,17 +151,20 @@ class BAdam(torch.optim.Optimizer):
         nonfinite: str = "skip",
         **frugal_options: Any,
     ):
-        # Everything is checked before any parameter is touched.
+        # Everything is checked before any parameter is touched, as FRUGAL checks it.
         _check_switch_every(switch_every)
         check_nonfinite(nonfinite)
+        if backend != "auto" and backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
+                             f"got {backend!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        check_adamw_options(defaults, "defaults", read_device=True)
         _check_inner(inner, frugal_options, lr, betas, eps, weight_decay, backend)
         if switch_mode not in SWITCH_MODES:
             raise ValueError(f"switch_mode must be one of {', '.join(SWITCH_MODES)}; "
                              f"got {switch_mode!r}")
-        if backend != "auto" and backend not in ops.BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
-                             f"got {backend!r}")
-        _check_hyper(lr, betas, eps, weight_decay)
         if isinstance(model_or_named_parameters, nn.Module):
             named = list(model_or_named_parameters.named_parameters())
         else:
@@ -187,11 +194,21 @@ class BAdam(torch.optim.Optimizer):
         self.inner = inner
         self._frugal_options = dict(frugal_options)
         self._inner: Optional[FRUGAL] = None  # inner="frugal": the active block's optimizer
+        # inner="adamw": the plan of the active block, for its tensors with gradients
+        # (those tensors, the buckets), and a bucket per tensor for steps in backward.
+        self._block_buckets: Tuple[List[Tensor], List[plan.Bucket]] = ([], [])
+        self._tensor_buckets: Dict[Tensor, plan.Bucket] = {}
+        # A float lr (what LR schedulers set) is copied into this tensor at each step.
+        self._lr = torch.tensor(0.0, dtype=torch.float64)
         # The DTensor parameters' layouts (FSDP2): where each rank's rows lie.
         self._layouts = {p: layout for n, ps in zip(names, block_params) for i, p in
                          enumerate(ps)
                          if (layout := sharding.layout_of(p, f"block {n!r} params[{i}]"))}
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # The parameters the user froze: never trained, whichever block is active. A
+        # parameter that a BAdam froze (an earlier one over the same model) is not one.
+        self._frozen = {(gi, i) for gi, ps in enumerate(block_params)
+                        for i, p in enumerate(ps)
+                        if not p.requires_grad and p not in _FROZEN_BY_BADAM}
         super().__init__([{"params": ps, "block": n} for n, ps in zip(names, block_params)],
                          defaults)
 
@@ -250,6 +267,12 @@ class BAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         if len(self.param_groups) == len(self.block_names):
             raise ValueError("BAdam's param groups are its blocks, fixed at construction")
+        gi = len(self.param_groups)
+        _check_new_params(param_group["params"], gi,
+                          [(gj, i, p) for gj, g in enumerate(self.param_groups)
+                           for i, p in enumerate(g["params"])])
+        check_adamw_options({**self.defaults, **param_group}, f"block {param_group['block']!r}",
+                            read_device=True)
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -275,6 +298,11 @@ class BAdam(torch.optim.Optimizer):
                 loss = closure()
         group = self.param_groups[self.active_block_index]
         grad_scale = getattr(self, "grad_scale", None)
+        # Checks first, counts and writes after: a step that raises changes nothing.
+        self._check_options()
+        for i, p in enumerate(group["params"]):
+            if p.grad is not None:
+                self._check_gradient(self.active_block_index, i, p)
         if self._inner is not None:
             # Counted once the inner step is through: one that raises changes nothing.
             self._step_inner(group, grad_scale, getattr(self, "found_inf", None))
@@ -297,6 +325,20 @@ class BAdam(torch.optim.Optimizer):
                     counts.sub_(found_inf.to(counts.device).reshape(()))
         self._switch_if_due()
         return loss
+
+    def _check_options(self) -> None:
+        """Every block's options, at every step (a user or an LR scheduler may have
+        changed them), as FRUGAL checks its groups'."""
+        for group in self.param_groups:
+            check_adamw_options(group, f"block {group['block']!r}")
+
+    def _check_gradient(self, gi: int, i: int, p: Tensor) -> None:
+        """Raise unless ``p`` can take a step with its gradient (the engine's check)."""
+        g = p.grad
+        if g.layout is not torch.strided or g.dtype is not p.dtype or not p.is_contiguous():
+            _refuse_gradient(gi, i, p)
+        if p in self._layouts:
+            _check_sharded_gradient(gi, i, p)
 
     def _count_step(self) -> None:
         self._steps_taken += 1
@@ -328,6 +370,7 @@ class BAdam(torch.optim.Optimizer):
         return None
 
     def _begin_tensor_steps(self) -> None:
+        self._check_options()
         self._count_step()
         if self._inner is None:
             params = self.param_groups[self.active_block_index]["params"]
@@ -338,13 +381,14 @@ class BAdam(torch.optim.Optimizer):
 
     def _step_tensor(self, p: Tensor) -> None:
         group = self.param_groups[self.active_block_index]
-        if not any(p is q for q in group["params"]):
+        i = next((i for i, q in enumerate(group["params"]) if q is p), None)
+        if i is None:
             return  # outside the active block: step() leaves it alone too
+        self._check_gradient(self.active_block_index, i, p)
         if self._inner is not None:
             self._inner._step_tensor(p)
             return
         if self.nonfinite == "raise":
-            i = next(i for i, q in enumerate(group["params"]) if q is p)
             if first_nonfinite([(self.active_block_index, i, p)]) is not None:
                 raise ValueError(
                     f"params[{i}] of block {group['block']!r} (shape {tuple(p.shape)}) has a "
@@ -362,29 +406,47 @@ class BAdam(torch.optim.Optimizer):
 
     def _update(self, group: dict, params: List[Tensor], grad_scale: Optional[Tensor],
                 found_inf: Optional[Tensor]) -> None:
-        beta1, beta2 = group["betas"]
-        counts = self._block_updates
+        """The active block's ``params`` take AdamW through the engine's plan: one bucket
+        per (dtype, device), fp32 params on the ``adamw`` rule, bf16 / fp16 ones on
+        ``adamw_master``, all with the block's count of applied updates."""
+        if len(params) == 1:
+            bucket = self._tensor_buckets.get(params[0])
+            if bucket is None:
+                bucket = self._tensor_buckets[params[0]] = self._buckets(group, params)[0]
+            buckets = [bucket]
+        else:
+            kept, buckets = self._block_buckets
+            if len(kept) != len(params) or any(a is not b for a, b in zip(kept, params)):
+                buckets = self._buckets(group, params)
+                self._block_buckets = (params, buckets)
+        if isinstance(group["lr"], Tensor):
+            lr = group["lr"]
+        else:
+            lr = self._lr.fill_(group["lr"])
+        for bucket in buckets:
+            device = bucket.params[0].device
+            bucket.lr = lr
+            bucket.step = on_device(self._block_updates, device)
+            # A DTensor is stepped through its local block (a view of its storage).
+            plan.run(bucket, [sharding.local(p.grad) for p in bucket.params], self.backend,
+                     grad_scale, on_device(found_inf, device))
+
+    def _buckets(self, group: dict, params: List[Tensor]) -> List[plan.Bucket]:
         by_kind: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = defaultdict(list)
         for p in params:
             by_kind[(p.dtype, p.device)].append(p)
-        for (dtype, device), ps in by_kind.items():
-            states = [self._state_of(p) for p in ps]
-            # A DTensor is stepped through its local block (a view of its storage).
-            grads = [sharding.local(p.grad) for p in ps]
-            ps = [sharding.local(p) for p in ps]
-            if dtype == torch.float32:
-                targets = ps
-            else:
-                targets = [st["master"] for st in states]
-                grads = [g.float() for g in grads]
-            ops.adamw_(targets, grads, [st["exp_avg"] for st in states],
-                       [st["exp_avg_sq"] for st in states], lr=group["lr"], beta1=beta1,
-                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                       step=on_device(counts, device),
-                       grad_scale=grad_scale,
-                       found_inf=on_device(found_inf, device), backend=self.backend)
-            if dtype != torch.float32:
-                torch._foreach_copy_(ps, targets)
+        return [plan.Bucket(plan.ADAMW if dtype == torch.float32 else plan.ADAMW_MASTER,
+                            group, self._lr, ps, [self._layouts.get(p) for p in ps],
+                            states=[self._state_of(p) for p in ps])
+                for (dtype, _), ps in by_kind.items()]
+
+    def _drop_buckets(self) -> None:
+        """Let go of the buckets (and the prepared calls, which hold the moments) of a
+        block whose state is replaced: at a switch and a load."""
+        plan.release(self._block_buckets[1])
+        plan.release(list(self._tensor_buckets.values()))
+        self._block_buckets = ([], [])
+        self._tensor_buckets = {}
 
     def _sync_inner(self, group: dict) -> None:
         """The block's lr, betas, eps and weight decay, as they are now, into its FRUGAL."""
@@ -403,11 +465,13 @@ class BAdam(torch.optim.Optimizer):
         finally:
             del self._inner.grad_scale, self._inner.found_inf
 
-    def _make_inner(self, index: int) -> FRUGAL:
-        """The FRUGAL of block ``index``, seeded by BAdam's seed and the step it starts at."""
+    def _make_inner(self, index: int, frozen: Optional[set] = None) -> FRUGAL:
+        """The FRUGAL of block ``index`` (without the parameters in ``frozen``, by default
+        those the user froze), seeded by BAdam's seed and the step it starts at."""
+        trained = self._trained(index, frozen)
         group = self.param_groups[index]
-        matrices = [p for p in group["params"] if p.dim() >= 2]
-        others = [p for p in group["params"] if p.dim() < 2]
+        matrices = [p for p in trained if p.dim() >= 2]
+        others = [p for p in trained if p.dim() < 2]
         groups = ([{"params": matrices}] if matrices else []) + \
                  ([{"params": others, "projected": False}] if others else [])
         return FRUGAL(groups, lr=group["lr"], betas=group["betas"], eps=group["eps"],
@@ -441,6 +505,7 @@ class BAdam(torch.optim.Optimizer):
     def _switch(self, reason: str) -> None:
         for p in self.param_groups[self.active_block_index]["params"]:
             _deactivate(p)
+        self._drop_buckets()
         self.state = defaultdict(dict)  # _activate gives the new block its entries
         self._inner = None
         release_freed_memory()
@@ -454,8 +519,16 @@ class BAdam(torch.optim.Optimizer):
         self.history.append({"step": self._steps_taken, "block": self.active_block,
                              "reason": reason})
 
+    def _trained(self, index: int, frozen: Optional[set] = None) -> List[Tensor]:
+        """The parameters of block ``index`` that train when it is active: all but those
+        in ``frozen`` (by default those the user froze)."""
+        frozen = self._frozen if frozen is None else frozen
+        return [p for i, p in enumerate(self.param_groups[index]["params"])
+                if (index, i) not in frozen]
+
     def _activate(self, index: int) -> None:
-        for p in self.param_groups[index]["params"]:
+        for p in self._trained(index):
+            _FROZEN_BY_BADAM.pop(p, None)
             p.requires_grad_(True)
             # An empty entry until the block's first step: torch.distributed.checkpoint's
             # get/set_optimizer_state_dict take a step with zero gradients on an
@@ -512,6 +585,8 @@ class BAdam(torch.optim.Optimizer):
             "history": [[[k, v] for k, v in h.items()] for h in self.history],
             "inner": self.inner,
             "inner_state": inner_state,
+            # The parameters the user froze, as [block index, index in the block] pairs.
+            "frozen": [list(f) for f in sorted(self._frozen)],
         }
         return sd
 
@@ -547,6 +622,9 @@ class BAdam(torch.optim.Optimizer):
             raise ValueError(f"the state dict was saved with switch_mode "
                              f"{extra['switch_mode']!r}, this optimizer uses "
                              f"{self.switch_mode!r}")
+        _check_extra(extra, n)
+        frozen = ({(int(gi), int(i)) for gi, i in extra["frozen"]} if "frozen" in extra
+                  else self._frozen)
         epoch = [int(i) for i in extra["epoch"]]
         cursor = int(extra["cursor"])
         blocks_of_epoch = list(range(n)) if self._fixed_order is None else self._fixed_order
@@ -589,7 +667,7 @@ class BAdam(torch.optim.Optimizer):
         if self.inner == "frugal":
             # Built and loaded before anything of this optimizer changes: its
             # load_state_dict raises on a state that does not fit the block.
-            inner = self._make_inner(active)
+            inner = self._make_inner(active, frozen)
             saved_inner = extra["inner_state"]
             # Format 2 kept the inner state in saved_inner["state"]; format 3 in ours.
             merged = dict(saved_inner.get("state", {}))
@@ -615,8 +693,10 @@ class BAdam(torch.optim.Optimizer):
         # parameters' dtype: load the groups through it and the state here.
         super().load_state_dict({"state": {}, "param_groups": [
             {k: v for k, v in g.items() if k != "badam"} for g in saved_groups]})
+        self._drop_buckets()
         self.state = defaultdict(dict, loaded)
-        for p in self.param_groups[active]["params"]:
+        self._frozen = frozen
+        for p in self._trained(active):
             self.state[p]  # the active block's entries (see _activate)
         self._epoch, self._cursor = epoch, cursor
         self._steps_taken = int(extra["steps_taken"])
@@ -629,8 +709,9 @@ class BAdam(torch.optim.Optimizer):
         self.history = [dict(h) for h in extra["history"]]
         self._inner = inner
         for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if gi == active:
+            for i, p in enumerate(group["params"]):
+                if gi == active and (gi, i) not in frozen:
+                    _FROZEN_BY_BADAM.pop(p, None)
                     p.requires_grad_(True)
                 else:
                     _deactivate(p)
@@ -656,8 +737,13 @@ def _saved_extra(state_dict: dict) -> dict:
         if extra is None:
             raise ValueError("this state dict was not saved by BAdam (no 'badam' entry); it "
                              "cannot resume the block schedule")
+        _check_extra_keys(extra)
+        if not isinstance(extra["history"], list) or not all(
+                isinstance(h, dict) for h in extra["history"]):
+            raise ValueError("the state dict's 'badam' history is not a list of dicts")
         return extra
-    history = extra.get("history")
+    _check_extra_keys(extra)
+    history = extra["history"]
     if not isinstance(history, (list, tuple)) or not all(
             isinstance(h, (list, tuple)) and all(
                 isinstance(kv, (list, tuple)) and len(kv) == 2 for kv in h) for h in history):
@@ -666,7 +752,60 @@ def _saved_extra(state_dict: dict) -> dict:
     return {**extra, "history": [{k: v for k, v in h} for h in history]}
 
 
+# The entries of the "badam" entry a load needs (block_updates, inner, inner_state and
+# frozen came later; a state dict without them loads as one of its time).
+_EXTRA_KEYS = ("block_names", "switch_mode", "epoch", "cursor", "steps_taken", "block_steps",
+               "switch_every", "generator", "history")
+
+
+def _check_extra_keys(extra: Any) -> None:
+    if not isinstance(extra, dict):
+        raise ValueError(f"the state dict's 'badam' entry is a {type(extra).__name__}, not a dict")
+    missing = [key for key in _EXTRA_KEYS if key not in extra]
+    if missing:
+        raise ValueError(f"the state dict's 'badam' entry lacks {', '.join(missing)}")
+
+
+def _check_extra(extra: dict, num_blocks: int) -> None:
+    """Raise a ValueError unless the counts, generator and frozen list of a saved "badam"
+    entry (its keys checked already) can resume a schedule."""
+    try:
+        check_int(extra["steps_taken"], "steps_taken", 0)
+        check_int(extra["block_steps"], "block_steps", 0)
+        check_int(extra["cursor"], "cursor", 0)
+    except TypeError as e:
+        raise ValueError(f"the state dict's 'badam' entry: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"the state dict's 'badam' entry: {e}") from None
+    if extra["block_steps"] > extra["steps_taken"]:
+        raise ValueError(f"the state dict's block_steps {extra['block_steps']} is more than "
+                         f"steps_taken {extra['steps_taken']}")
+    epoch = extra["epoch"]
+    if not isinstance(epoch, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in epoch):
+        raise ValueError(f"the state dict's block order {epoch!r} is not a list of block ids")
+    try:
+        torch.Generator().set_state(extra["generator"])
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"the state dict's generator state cannot be restored: {e}") from None
+    frozen = extra.get("frozen", [])
+    if not isinstance(frozen, (list, tuple)) or not all(
+            isinstance(f, (list, tuple)) and len(f) == 2 and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in f)
+            and f[0] < num_blocks for f in frozen):
+        raise ValueError(f"the state dict's frozen parameters {frozen!r} are not "
+                         "[block, index] pairs of this optimizer's blocks")
+
+
+# The tensors a BAdam froze (inactive blocks, parameters outside every block), so that a
+# later BAdam over the same model does not take them for parameters the user froze.
+# Keyed by identity: a deepcopy of the model has new tensors, which carry no mark.
+_FROZEN_BY_BADAM = WeakIdKeyDictionary()
+
+
 def _deactivate(p: Tensor) -> None:
+    if p.requires_grad:
+        _FROZEN_BY_BADAM[p] = True
     p.grad = None
     p.requires_grad_(False)
 
@@ -697,21 +836,6 @@ def _check_inner(inner: str, frugal_options: dict, lr, betas, eps, weight_decay,
 def _check_switch_every(value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"switch_every must be a positive int, got {value!r}")
-
-
-def _check_hyper(lr, betas, eps, weight_decay) -> None:
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError("a tensor lr must have one element")
-    elif not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr!r}")
-    beta1, beta2 = betas
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"betas must be in [0, 1), got {betas!r}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
 
 
 def _resolve_blocks(named: List[Tuple[str, Tensor]], blocks: Optional[BlockSpec],

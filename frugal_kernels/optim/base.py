@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from frugal_kernels import ops
-from frugal_kernels._layout import first_overlap, on_device
+from frugal_kernels._layout import PARAM_DTYPES, first_overlap, on_device
 from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.memory import storage_bytes
 from frugal_kernels.optim.plan import Assignment, Bucket
@@ -627,7 +627,8 @@ def _refuse_gradient(gi: int, i: int, p: Tensor) -> None:
 def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int, Tensor]],
                       placeholders: Tuple[type, ...] = ()) -> None:
     """Refuse what the fused ops cannot update in place: a parameter listed twice (here
-    or in an earlier group), two parameters sharing memory, a non-contiguous parameter.
+    or in an earlier group), two parameters sharing memory, a non-contiguous parameter,
+    a parameter of a dtype the ops do not take.
     Checked once, when the group is added, not at every step."""
     seen: Dict[int, str] = {id(p): _param_name(gj, i, p) for gj, i, p in existing}
     for i, p in enumerate(params):
@@ -641,6 +642,11 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
         if not p.is_contiguous() and not isinstance(p, placeholders):
             raise ValueError(f"{name} is not contiguous: the fused ops update parameters in "
                              f"place and need them contiguous; {_CONTIGUOUS_ADVICE}")
+        if p.dtype not in PARAM_DTYPES and not isinstance(p, placeholders):
+            # Refused here, not at the step: the op would refuse it after the step had
+            # updated the tensors of other dtypes.
+            raise TypeError(f"{name}: the fused ops update float32, bfloat16 and float16 "
+                            "parameters")
         seen[id(p)] = name
     # A DTensor's memory is its local block's.
     clash = first_overlap([(sharding.local(p), True, _param_name(gj, i, p))

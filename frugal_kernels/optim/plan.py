@@ -39,7 +39,7 @@ from frugal_kernels.ops import unchecked
 from frugal_kernels._layout import LEFT, inverse_grad_scale, lowrank_side, project
 from frugal_kernels.optim.sharding import ShardLayout, local
 
-__all__ = ["ADAMW", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
+__all__ = ["ADAMW", "ADAMW_MASTER", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
            "release", "run", "signature", "single", "pack_step_counters"]
 
 
@@ -51,7 +51,9 @@ class Assignment:
     (none: the group's ``state_free`` rule only), ``"subset"`` (AdamW on the
     rows, columns or flat coordinates in ``state["indices"]``, the state-free
     rule elsewhere) or ``"lowrank"`` (AdamW in the span of
-    ``state["projection"]``, the state-free rule on the residual). DQT's
+    ``state["projection"]``, the state-free rule on the residual);
+    ``"adamw_master"`` is AdamW on an fp32 master copy (``state["master"]``) of a
+    bf16 / fp16 tensor, rounded into it after every call (BAdam's). DQT's
     quantized weights take ``"dqt_adamw"``, ``"dqt_state_free"`` and
     ``"dqt_subset"``: the same three splits applied to their packed codes by
     one ``dqt_update_`` call. Tensors whose assignments are equal can share an
@@ -71,6 +73,7 @@ class Assignment:
 
 
 ADAMW = Assignment("adamw")
+ADAMW_MASTER = Assignment("adamw_master")
 STATE_FREE = Assignment("state_free")
 
 
@@ -103,6 +106,10 @@ class Bucket:
     # update again whenever a blocks subspace change frees one tensor's state and gives
     # another its moments. A plan is rebuilt whenever the optimizer's state is replaced.
     states: List[dict] = field(default_factory=list)
+    # The bias-correction count of the call where the optimizer keeps one count for the
+    # whole bucket rather than one in each tensor's state (BAdam's count of the block's
+    # applied updates), set before each call; None: ``states[0]["step"]``.
+    step: Optional[Tensor] = None
 
 
 def signature(params: Sequence[Tensor]) -> list:
@@ -225,10 +232,14 @@ def run(bucket: Bucket, grads: List[Tensor], backend: str,
     bucket.checked = sig
 
 
+def _step_count(bucket: Bucket) -> Tensor:
+    return bucket.states[0]["step"] if bucket.step is None else bucket.step
+
+
 def _moments(bucket: Bucket):
     states = bucket.states
     return (states, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-            states[0]["step"])
+            _step_count(bucket))
 
 
 def _prepared(bucket: Bucket, prepare: Callable[[], Callable[..., None]]) -> Callable[..., None]:
@@ -246,12 +257,21 @@ def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"], **amp)
+                 weight_decay=group["weight_decay"], step=_step_count(bucket), **amp)
     if calls is unchecked:
         _prepared(bucket, lambda: unchecked.prepare_adamw_(
             params, *_moments(bucket)[1:3], backend=backend))(grads, **hyper)
         return
     calls.adamw_(params, grads, *_moments(bucket)[1:3], backend=backend, **hyper)
+
+
+def _adamw_master(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+    """AdamW on the fp32 master copies of bf16 / fp16 params, from their gradients read
+    into fp32 (a copy of each, for the call), the result rounded into the params. A
+    skipped call (found_inf) leaves the masters as they were, so the params too."""
+    masters = [st["master"] for st in bucket.states]
+    _adamw(bucket, masters, [g.float() for g in grads], backend, calls, amp)
+    torch._foreach_copy_(params, masters)
 
 
 def _state_free(bucket: Bucket, params, grads, backend, calls, amp) -> None:
@@ -433,6 +453,7 @@ def _dqt_subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
 RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], str, Any, dict],
                             None]] = {
     "adamw": _adamw,
+    "adamw_master": _adamw_master,
     "state_free": _state_free,
     "subset": _subset,
     "lowrank": _lowrank,

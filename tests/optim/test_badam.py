@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -623,3 +624,222 @@ def test_inner_frugal_loads_the_format_2_layout():
     assert opt2.history == opt.history
     for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
+
+
+# ------------------------------------------------------------ the engine's guarantees
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("case", ["adamw", "adamw_bf16", "frugal"])
+def test_a_checkpoint_of_format_3_resumes_exactly(case):
+    """State dicts written by the BAdam of main at f2ab600 (format 3: inner="adamw" with
+    fp32 and bf16 params, inner="frugal"), 2 * SWITCH_EVERY + 1 steps into a "random"
+    run, saved with the model: loaded into today's BAdam, the run goes on as one that
+    never stopped."""
+    saved = torch.load(FIXTURES / "badam_format3.pt", weights_only=True)[case]
+    options = FRUGAL_INNER if case == "frugal" else {}
+    dtype = torch.bfloat16 if case == "adamw_bf16" else torch.float32
+    steps = saved["cut"] + 2 * SWITCH_EVERY
+    model = Toy().to(dtype)
+    opt = badam(model, "random", **options)
+    run_steps(model, opt, 0, steps)
+    resumed = Toy(seed=5).to(dtype)
+    resumed.load_state_dict(saved["model"])
+    opt2 = badam(resumed, "random", **options)
+    opt2.load_state_dict(saved["opt"])
+    run_steps(resumed, opt2, saved["cut"], steps)
+    assert opt2.history == opt.history
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("inner", ["adamw", "frugal"])
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(lr=torch.tensor(-0.1)), ValueError, "lr must be finite and >= 0"),
+    (dict(lr=float("inf")), ValueError, "lr must be finite and >= 0"),
+    (dict(lr=torch.tensor(float("inf"))), ValueError, "lr must be finite and >= 0"),
+    (dict(eps=float("inf")), ValueError, "eps must be finite and >= 0"),
+    (dict(eps=float("nan")), ValueError, "eps must be finite and >= 0"),
+    (dict(weight_decay=-0.1), ValueError, "weight_decay must be finite and >= 0"),
+    (dict(betas=(0.9, 1.0)), ValueError, r"betas must be in \[0, 1\)"),
+    (dict(betas=0.9), ValueError, "betas must be a pair"),
+    (dict(lr="0.1"), TypeError, "lr must be a number"),
+    (dict(seed=1.5), TypeError, "seed must be an int"),
+    (dict(backend="gpu"), ValueError, "backend must be"),
+])
+def test_options_are_checked_as_frugal_checks_them(inner, kwargs, error, message):
+    """BAdam refuses at construction what FRUGAL refuses, with FRUGAL's message, and
+    changes nothing (no flag of the model)."""
+    options = dict(HYPER, **kwargs)
+    with pytest.raises(error, match=message):
+        fk.FRUGAL(Toy().parameters(), **{k: v for k, v in options.items()
+                                         if k in ("lr", "betas", "eps", "weight_decay",
+                                                  "seed", "backend")})
+    model = Toy()
+    before = snapshot(model)
+    with pytest.raises(error, match=message):
+        fk.BAdam(model, **options, **(FRUGAL_INNER if inner == "frugal" else {}))
+    after = snapshot(model)
+    for name, (value, flag) in before.items():
+        assert torch.equal(after[name][0], value) and after[name][1] == flag, name
+
+
+def _badam_state(opt):
+    sd = opt.state_dict()
+    extra = sd["param_groups"][0]["badam"]
+    return (extra["steps_taken"], extra["block_steps"], extra["block_updates"],
+            {pid: {k: v.clone() for k, v in st.items()} for pid, st in sd["state"].items()})
+
+
+def _assert_same_state(a, b):
+    assert a[:3] == b[:3]
+    assert a[3].keys() == b[3].keys()
+    for pid, st in a[3].items():
+        assert st.keys() == b[3][pid].keys()
+        for key, value in st.items():
+            assert torch.equal(value, b[3][pid][key]), (pid, key)
+
+
+@pytest.mark.parametrize("inner", ["adamw", "frugal"])
+@pytest.mark.parametrize("fault", ["lr", "grad_dtype", "sparse"])
+def test_a_step_that_raises_changes_nothing(inner, fault):
+    """A step refused for a bad lr set between steps, or a gradient of another dtype in
+    the block's second dtype, or a sparse gradient, advances neither the schedule nor
+    the bias-correction count and updates no tensor of the block (one of two dtypes)."""
+    model = Toy()
+    model.model.layers[0].bias.data = model.model.layers[0].bias.data.bfloat16()
+    opt = fk.BAdam(model, switch_mode="ascending", switch_every=SWITCH_EVERY, **HYPER,
+                   **(FRUGAL_INNER if inner == "frugal" else {}))
+    layer = model.model.layers[0]
+
+    def grads():
+        layer.weight.grad = torch.ones_like(layer.weight)
+        layer.bias.grad = torch.ones_like(layer.bias)
+
+    grads()
+    opt.step()
+    grads()
+    before, params = _badam_state(opt), snapshot(model)
+    if fault == "lr":
+        opt.param_groups[0]["lr"] = -1.0
+        error, message = ValueError, "lr must be finite and >= 0"
+    elif fault == "grad_dtype":
+        layer.bias.grad = None
+        layer.bias.grad_dtype = None  # let autograd's dtype check go, as a user might
+        layer.bias.grad = torch.ones(layer.bias.shape, dtype=torch.float32)
+        error, message = ValueError, "gradient of dtype"
+    else:
+        layer.bias.grad = torch.ones_like(layer.bias).to_sparse()
+        error, message = ValueError, "sparse gradient"
+    for _ in range(SWITCH_EVERY):  # enough calls for a switch, had they counted
+        with pytest.raises(error, match=message):
+            opt.step()
+    _assert_same_state(_badam_state(opt), before)
+    assert opt.active_block == "model.layers.0" and len(opt.history) == 1
+    for name, p in model.named_parameters():
+        assert torch.equal(p, params[name][0]), name
+
+
+@pytest.mark.parametrize("inner", ["adamw", "frugal"])
+def test_the_users_frozen_parameters_stay_frozen(inner):
+    """A parameter the user froze (requires_grad=False) inside a block is never turned
+    back on nor trained, through switches and a resume; the rest of its block trains."""
+    model = Toy()
+    bias = model.model.layers[0].bias
+    bias.requires_grad_(False)
+    opt = fk.BAdam(model, switch_mode="ascending", switch_every=2, **HYPER,
+                   **(FRUGAL_INNER if inner == "frugal" else {}))
+    frozen = bias.detach().clone()
+    weight = model.model.layers[0].weight.detach().clone()
+    for t in range(3 * 2 + 1):  # a full pass over the 3 blocks and back to the first
+        assert not bias.requires_grad
+        model.loss(t).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.active_block == "model.layers.0"
+    assert torch.equal(bias, frozen) and not torch.equal(model.model.layers[0].weight, weight)
+    resumed = copy.deepcopy(model)
+    opt2 = fk.BAdam(resumed, switch_mode="ascending", switch_every=2, **HYPER,
+                    **(FRUGAL_INNER if inner == "frugal" else {}))
+    resumed.model.layers[0].bias.requires_grad_(True)  # the flags are the optimizer's now
+    opt2.load_state_dict(opt.state_dict())
+    assert not resumed.model.layers[0].bias.requires_grad
+    assert resumed.model.layers[0].weight.requires_grad
+
+
+@pytest.mark.parametrize("key", ["epoch", "cursor", "steps_taken", "block_steps",
+                                 "switch_every", "generator", "history"])
+def test_a_state_dict_missing_an_entry_is_refused_and_changes_nothing(key):
+    model = Toy()
+    opt = badam(model, "ascending")
+    run_steps(model, opt, 0, SWITCH_EVERY + 1)
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["badam"][key]
+    other = Toy()
+    target = badam(other, "ascending")
+    run_steps(other, target, 0, 1)
+    before = _badam_state(target)
+    with pytest.raises(ValueError, match=f"'badam' entry lacks {key}"):
+        target.load_state_dict(sd)
+    _assert_same_state(_badam_state(target), before)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("steps_taken", -7, "steps_taken must be an int >= 0"),
+    ("steps_taken", 2.5, "steps_taken must be an int"),
+    ("block_steps", -1, "block_steps must be an int >= 0"),
+    ("block_steps", 10**6, "block_steps 1000000 is more than steps_taken"),
+    ("cursor", "0", "cursor must be an int"),
+    ("switch_every", 0, "switch_every"),
+    ("generator", torch.zeros(3, dtype=torch.uint8), "generator state cannot be restored"),
+    ("history", [[["step", 0]], 7], "history is not a list of lists"),
+])
+def test_a_state_dict_with_a_bad_count_is_refused_and_changes_nothing(key, value, message):
+    model = Toy()
+    opt = badam(model, "ascending")
+    run_steps(model, opt, 0, SWITCH_EVERY + 1)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["badam"][key] = value
+    other = Toy()
+    target = badam(other, "ascending")
+    run_steps(other, target, 0, 1)
+    before, flags = _badam_state(target), snapshot(other)
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(sd)
+    _assert_same_state(_badam_state(target), before)
+    after = snapshot(other)
+    for name, (value, flag) in flags.items():
+        assert torch.equal(after[name][0], value) and after[name][1] == flag, name
+
+
+@pytest.mark.parametrize("make", ["FRUGAL", "BAdam"])
+def test_a_parameter_of_a_dtype_the_ops_do_not_take_is_refused_at_construction(make):
+    """A float64 parameter beside float32 ones was refused by the op at the step, after
+    the float32 tensors had been updated: now at construction, with nothing changed."""
+    model = Toy()
+    model.model.layers[0].bias.data = model.model.layers[0].bias.data.double()
+    before = snapshot(model)
+    with pytest.raises(TypeError, match="float32, bfloat16 and float16 parameters"):
+        if make == "FRUGAL":
+            fk.FRUGAL(model.parameters(), **HYPER)
+        else:
+            fk.BAdam(model, **HYPER)
+    after = snapshot(model)
+    for name, (value, flag) in before.items():
+        assert torch.equal(after[name][0], value) and after[name][1] == flag, name
+
+
+def test_a_second_badam_over_the_same_model_trains_every_block():
+    """The blocks a first BAdam froze are not the user's frozen parameters: a BAdam built
+    afterwards over the same model trains each of its blocks in turn (the user's own
+    frozen bias stays frozen)."""
+    model = Toy()
+    model.model.layers[0].bias.requires_grad_(False)
+    run_steps(model, badam(model, "ascending"), 0, SWITCH_EVERY + 1)
+    opt = fk.BAdam(model, switch_mode="ascending", switch_every=1, **HYPER)
+    start = snapshot(model)
+    run_steps(model, opt, 0, 3)
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, start[name][0])}
+    assert moved == {"model.layers.0.weight", "model.layers.1.weight", "model.layers.1.bias",
+                     "model.layers.2.weight", "model.layers.2.bias"}

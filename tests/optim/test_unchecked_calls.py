@@ -132,3 +132,34 @@ def test_a_param_replaced_by_one_of_another_shape_raises_before_writing():
     with pytest.raises(ValueError, match="shape"):
         opt.step()
     assert torch.equal(before[0], params[0].detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_badams_unchecked_calls_are_bit_identical(monkeypatch, dtype):
+    """BAdam's active block goes through the plan: its prepared calls after a block's first
+    equal the registered op over 8 steps and two switches, on fp32 params and on bf16
+    ones (the adamw_master rule: AdamW on fp32 master copies)."""
+    def trajectory(checked_only):
+        with monkeypatch.context() as m:
+            calls = []
+            m.setattr(plan, "unchecked",
+                      _Counting(ops if checked_only else plan.unchecked, calls))
+            gen = torch.Generator().manual_seed(0)
+            named = [(f"layers.{i}.{name}",
+                      torch.nn.Parameter(torch.randn(*shape, generator=gen).to(dtype)))
+                     for i in range(2) for name, shape in (("weight", (6, 5)), ("bias", (6,)))]
+            opt = fk.BAdam(named, switch_every=3, switch_mode="ascending", **HYPER)
+            for _ in range(8):
+                for _, p in named:
+                    p.grad = (torch.randn(p.shape, generator=gen).to(dtype)
+                              if p.requires_grad else None)
+                opt.step()
+            state = [t.clone() for st in opt.state.values() for t in st.values()]
+        return [p.detach().clone() for _, p in named], state, calls
+
+    ref_params, ref_state, _ = trajectory(True)
+    params, state, calls = trajectory(False)
+    assert calls, "the steady steps never took the unchecked calls"
+    assert ref_state and len(ref_state) == len(state)
+    for a, b in zip(ref_params + ref_state, params + state):
+        assert torch.equal(a, b)
