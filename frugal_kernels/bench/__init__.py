@@ -96,5 +96,7 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
                   f"{result['dqt']['forward']['skipped']}")
     out = Path(out) if out is not None else Path("bench/results")
     stem = _fingerprint.device_id(fp) + ("-quick" if quick else "")
+    # Read before this run writes over them.
+    result["recorded_ranges"] = report.recorded_ranges(out, _fingerprint.device_id(fp))
     result["files"] = [str(p) for p in report.write(result, out, stem)]
     return result
