@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -66,7 +67,8 @@ class Decision:
     ``gain_per_flop`` is ``G_t`` (``None`` until the window is full) and
     ``projected_improvement`` is ``G_t * remaining_flops / loss``, the relative loss
     improvement that spending the rest of the budget at the current rate would buy.
-    ``suggestion`` is set on ``"reallocate"``: factors for the optimizer's schedule.
+    ``suggestion`` is set on ``"reallocate"`` (factors for the optimizer's schedule) and on
+    ``"decay"`` (``decay_flops``: the FLOPs the learning-rate decay is given).
     """
 
     action: str
@@ -84,6 +86,19 @@ class Decision:
         return dataclasses.asdict(self)
 
 
+def _finite_positive(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and math.isfinite(value) and value > 0
+
+
+def _check_count(name: str, value: Any, least: int, why: str = "") -> None:
+    # bool is an int to Python, and window=True is surely a mistake. Error types as
+    # torch.optim's: the wrong type is a TypeError, a value out of range a ValueError.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}{' ' + why if why else ''}, got {value!r}")
+
+
 def _slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys against xs (centred, so 1e15-sized FLOP counts are harmless)."""
     x_mean = sum(xs) / len(xs)
@@ -94,7 +109,7 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 class Governor:
-    """Compute governor: policy ``pi(state, remaining budget) -> continue | reallocate | stop``.
+    """Compute governor: policy ``pi(state, remaining budget) -> continue | reallocate | decay | stop``.
 
     At each evaluation ``t`` (a call of :meth:`observe`) with cumulative FLOPs ``F_t``, loss
     ``L_t`` and remaining budget ``R_t = flop_budget - F_t``:
@@ -127,6 +142,18 @@ class Governor:
     The cooldown defaults to ``window`` so that the next ``G`` is fitted on losses measured
     after the change only.
 
+    **With a warmup-stable-decay schedule** (``decay_fraction`` set), most of the final gain
+    comes in the decay ("cooldown") of the learning rate, so a run should not be cut in its
+    stable phase: the governor decides when the decay begins instead. Where rule 2 would
+    stop, or once the budget left could not pay for a decay of ``decay_fraction`` times the
+    FLOPs spent so far (``F_t * (1 + decay_fraction) >= flop_budget``), it answers
+    **decay**, with ``suggestion["decay_flops"]``, the FLOPs the decay is given
+    (``decay_fraction * F_t``, within the budget). The training loop then anneals its
+    learning rate over those FLOPs, and the governor answers **continue** until they are
+    spent, then **stop** ("decay done"). An ungoverned WSD run decays at the budget's
+    ``1 / (1 + decay_fraction)``; a run that plateaus earlier decays, and ends, earlier
+    (the FLOPs it saves).
+
     Args:
         flop_budget: total FLOPs the run may spend.
         flops_per_token: default model FLOPs per training token for :meth:`step`.
@@ -137,6 +164,9 @@ class Governor:
         reallocate_fraction: drop of ``G`` relative to ``G_ref`` that triggers a reallocation.
         cooldown: evaluations between two reallocations (default: ``window``).
         suggestion: what a reallocation proposes to the optimizer.
+        decay_fraction: the length of a learning-rate decay phase as a fraction of the
+            FLOPs spent before it (e.g. 0.25): the governor then decides when the decay
+            begins instead of stopping (see above). None: no decay phase.
     """
 
     def __init__(
@@ -150,17 +180,36 @@ class Governor:
         reallocate_fraction: float = 0.25,
         cooldown: Optional[int] = None,
         suggestion: Optional[dict[str, float]] = None,
+        decay_fraction: Optional[float] = None,
     ) -> None:
-        if not flop_budget > 0:
-            raise ValueError(f"flop_budget must be positive, got {flop_budget}")
-        if window < 2:
-            raise ValueError(f"window must be at least 2 to fit a slope, got {window}")
-        if patience < 1:
-            raise ValueError(f"patience must be at least 1, got {patience}")
-        if not 0.0 < reallocate_fraction < 1.0:
-            raise ValueError(f"reallocate_fraction must lie in (0, 1), got {reallocate_fraction}")
-        if cooldown is not None and cooldown < 0:
-            raise ValueError(f"cooldown must be non-negative, got {cooldown}")
+        # Every check before any assignment: a refused governor is never half-built. Each
+        # number must be finite: a NaN threshold compares False everywhere and would switch
+        # its rule off without a word.
+        if not (isinstance(flop_budget, numbers.Real) and math.isfinite(flop_budget)
+                and flop_budget > 0):
+            raise ValueError(f"flop_budget must be a finite positive number, got {flop_budget!r}")
+        if flops_per_token is not None and not _finite_positive(flops_per_token):
+            raise ValueError(
+                f"flops_per_token must be a finite positive number, got {flops_per_token!r}")
+        _check_count("window", window, 2, "to fit a slope")
+        _check_count("patience", patience, 1)
+        if cooldown is not None:
+            _check_count("cooldown", cooldown, 0)
+        if not (isinstance(min_improvement, numbers.Real) and math.isfinite(min_improvement)
+                and min_improvement >= 0):
+            raise ValueError(
+                f"min_improvement must be a finite number >= 0, got {min_improvement!r}")
+        if not (isinstance(reallocate_fraction, numbers.Real)
+                and 0.0 < reallocate_fraction < 1.0):
+            raise ValueError(f"reallocate_fraction must lie in (0, 1), got {reallocate_fraction!r}")
+        if decay_fraction is not None and not _finite_positive(decay_fraction):
+            raise ValueError(
+                f"decay_fraction must be a finite positive number, got {decay_fraction!r}")
+        if suggestion is not None:
+            for key, factor in suggestion.items():
+                if not _finite_positive(factor):
+                    raise ValueError(
+                        f"suggestion[{key!r}] must be a finite positive factor, got {factor!r}")
         self.flop_budget = float(flop_budget)
         self.flops_per_token = flops_per_token
         self.window = window
@@ -171,6 +220,7 @@ class Governor:
         if suggestion is None:
             suggestion = {"update_gap_factor": 1.5, "rho_factor": 0.8}
         self.suggestion = dict(suggestion)
+        self.decay_fraction = None if decay_fraction is None else float(decay_fraction)
         self._attached: list[Any] = []
 
         self.spent_flops = 0.0
@@ -181,6 +231,8 @@ class Governor:
         self._below_streak = 0
         self._gain_ref: Optional[float] = None
         self._last_reallocation: Optional[int] = None
+        # FLOPs at which the decay phase ends, once the governor has started it.
+        self.decay_end: Optional[float] = None
 
     @property
     def remaining_flops(self) -> float:
@@ -198,8 +250,8 @@ class Governor:
         self._attached.append(optimizer)
 
     def add_flops(self, flops: float) -> None:
-        if flops < 0:
-            raise ValueError(f"flops must be non-negative, got {flops}")
+        if not (isinstance(flops, numbers.Real) and math.isfinite(flops) and flops >= 0):
+            raise ValueError(f"flops must be a finite number >= 0, got {flops!r}")
         self.spent_flops += float(flops)
 
     def step(
@@ -209,6 +261,8 @@ class Governor:
         flops_per_token = self.flops_per_token if flops_per_token is None else flops_per_token
         if flops_per_token is None:
             raise ValueError("step() needs flops_per_token, here or in the constructor")
+        if not (isinstance(tokens, numbers.Integral) and tokens >= 0):
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
         self.add_flops(tokens * flops_per_token + optimizer_flops)
         self.steps += 1
 
@@ -226,13 +280,17 @@ class Governor:
             raise ValueError(
                 f"the loss must be positive (improvement is relative to it), got {loss}"
             )
+        spent = self.spent_flops
         if flops is not None:
-            self.spent_flops = float(flops)
-        if self._points and self.spent_flops <= self._points[-1][0]:
+            if not (isinstance(flops, numbers.Real) and math.isfinite(flops) and flops >= 0):
+                raise ValueError(f"flops must be a finite number >= 0, got {flops!r}")
+            spent = float(flops)
+        if self._points and spent <= self._points[-1][0]:
             raise ValueError(
-                f"FLOPs must grow between evaluations: {self.spent_flops:.6g} after "
+                f"FLOPs must grow between evaluations: {spent:.6g} after "
                 f"{self._points[-1][0]:.6g}; count them with step() or add_flops(), or pass flops="
             )
+        self.spent_flops = spent
         self.evaluations += 1
         decision = Decision(
             action="continue",
@@ -257,14 +315,36 @@ class Governor:
                     optimizer.apply_governor(decision)
         return decision
 
+    @property
+    def decaying(self) -> bool:
+        """Whether the learning-rate decay the governor started is under way."""
+        return self.decay_end is not None
+
+    def _start_decay(self, d: Decision, why: str) -> None:
+        length = min(self.decay_fraction * d.flops, self.flop_budget - d.flops)
+        self.decay_end = d.flops + length
+        d.action = "decay"
+        d.reason = f"{why}; decay the learning rate over the next {length:.4g} FLOPs"
+        d.suggestion = {"decay_flops": length}
+
     def _decide(self, d: Decision) -> None:
         if not math.isfinite(d.loss):
             d.action, d.reason = "stop", f"loss is not finite ({d.loss})"
+            return
+        if self.decaying:
+            if d.flops >= self.decay_end or self.exhausted:
+                d.action, d.reason = "stop", f"decay done at {d.flops:.4g} FLOPs"
+            else:
+                d.reason = f"decaying until {self.decay_end:.4g} FLOPs"
             return
         if self.exhausted:
             d.action, d.reason = "stop", (
                 f"budget exhausted: {d.flops:.4g} of {self.flop_budget:.4g} FLOPs spent"
             )
+            return
+        if self.decay_fraction is not None and \
+                d.flops * (1.0 + self.decay_fraction) >= self.flop_budget:
+            self._start_decay(d, "the budget left pays for the decay and no more")
             return
         if len(self._points) < self.window:
             d.reason = f"filling the window: {len(self._points)} of {self.window} evaluations"
@@ -279,11 +359,13 @@ class Governor:
         else:
             self._below_streak = 0
         if self._below_streak >= self.patience:
-            d.action, d.reason = "stop", (
-                f"the rest of the budget would improve the loss by {d.projected_improvement:.3%} "
-                f"at the current rate, under {self.min_improvement:.3%}, for "
-                f"{self._below_streak} evaluations"
-            )
+            why = (f"the rest of the budget would improve the loss by "
+                   f"{d.projected_improvement:.3%} at the current rate, under "
+                   f"{self.min_improvement:.3%}, for {self._below_streak} evaluations")
+            if self.decay_fraction is not None:
+                self._start_decay(d, why)
+            else:
+                d.action, d.reason = "stop", why
             return
 
         if self._gain_ref is None:
@@ -319,6 +401,7 @@ class Governor:
             "below_streak": self._below_streak,
             "gain_ref": self._gain_ref,
             "last_reallocation": self._last_reallocation,
+            "decay_end": self.decay_end,
             "history": [dict(h) for h in self.history],
         }
 
@@ -330,4 +413,6 @@ class Governor:
         self._below_streak = int(state_dict["below_streak"])
         self._gain_ref = state_dict["gain_ref"]
         self._last_reallocation = state_dict["last_reallocation"]
+        # Saved before the decay phase existed: none had started.
+        self.decay_end = state_dict.get("decay_end")
         self.history = [dict(h) for h in state_dict["history"]]

@@ -3,7 +3,7 @@ import sys
 import pytest
 import torch
 
-from frugal_kernels.data import (
+from frugal_kernels.lab.corpus import (
     ByteTokenizer,
     Document,
     TokenDataset,

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import frugal_kernels as fk
-from frugal_kernels import demo
+from frugal_kernels.lab import demo
 from frugal_kernels.__main__ import main
-from frugal_kernels.data import load_corpus
+from frugal_kernels.lab.corpus import load_corpus
 from frugal_kernels.governor import optimizer_flops
 from frugal_kernels.model import LlamaForCausalLM, flops_per_token
-from frugal_kernels.train import (TrainConfig, lr_factor, lr_groups, optimizer_state_bytes,
+from frugal_kernels.lab.train import (TrainConfig, lr_factor, lr_groups, optimizer_state_bytes,
                                   optimizer_step_flops, step_memory, steps_for_budget, train)
 
 MAX_BYTES = 200_000

@@ -227,3 +227,152 @@ def test_state_dict_round_trip_resumes_exactly(curve, settings):
             resumed.observe(loss)
         assert resumed.history == reference.history, cut
         assert resumed.state_dict() == reference.state_dict(), cut
+
+
+# Bad input (issue 27 item 5): refused with a clear error, and a refused call changes nothing.
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"window": 2.5}, "window"),
+    ({"window": True}, "window"),
+    ({"patience": 1.5}, "patience"),
+    ({"cooldown": 0.5}, "cooldown"),
+])
+def test_a_count_of_the_wrong_type_is_a_type_error(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        Governor(BUDGET, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"flop_budget": float("nan")}, "flop_budget"),
+    ({"flop_budget": float("inf")}, "flop_budget"),
+    ({"window": 1}, "window"),
+    ({"min_improvement": float("nan")}, "min_improvement"),
+    ({"min_improvement": -0.1}, "min_improvement"),
+    ({"reallocate_fraction": float("nan")}, "reallocate_fraction"),
+    ({"flops_per_token": float("nan")}, "flops_per_token"),
+    ({"suggestion": {"update_gap_factor": float("nan")}}, "update_gap_factor"),
+    ({"suggestion": {"rho_factor": 0.0}}, "rho_factor"),
+])
+def test_bad_settings_are_refused(kwargs, match):
+    kwargs = {"flop_budget": BUDGET, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        Governor(**kwargs)
+
+
+@pytest.mark.parametrize("flops", [float("nan"), float("inf"), -1.0])
+def test_non_finite_or_negative_flops_are_refused_and_change_nothing(flops):
+    governor = Governor(BUDGET)
+    governor.add_flops(10.0)
+    with pytest.raises(ValueError, match="flops"):
+        governor.add_flops(flops)
+    with pytest.raises(ValueError, match="flops"):
+        governor.observe(3.0, flops=flops)
+    assert governor.spent_flops == 10.0
+    assert governor.evaluations == 0 and governor.history == []
+
+
+def test_flops_going_backwards_are_refused_before_the_count_changes():
+    governor = Governor(BUDGET)
+    governor.observe(3.0, flops=100.0)
+    with pytest.raises(ValueError, match="must grow"):
+        governor.observe(2.9, flops=50.0)
+    assert governor.spent_flops == 100.0
+    assert governor.evaluations == 1
+
+
+def test_a_nan_budget_cannot_be_reached_through_the_count():
+    governor = Governor(BUDGET)
+    with pytest.raises(ValueError):
+        governor.add_flops(float("nan"))
+    governor.add_flops(BUDGET)
+    assert governor.exhausted
+    assert governor.observe(3.0).action == "stop"
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), -2.0, 0.0, "2", True])
+def test_apply_governor_refuses_a_bad_factor_and_changes_nothing(factor):
+    import frugal_kernels as fk
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for opt, key in [(fk.AdaFRUGAL(model.parameters(), rho_steps=10), "update_gap_factor"),
+                     (fk.AdaFRUGAL(model.parameters(), rho_steps=10), "rho_factor"),
+                     (fk.BAdam(model, switch_every=4, blocks=[[r"0\..*"], [r"1\..*"]]), "update_gap_factor"),
+                     (fk.BAdam(model, switch_every=4, blocks=[[r"0\..*"], [r"1\..*"]]),
+                      "switch_every_factor")]:
+        before = (opt.update_gap if hasattr(opt, "update_gap") else None, list(opt.history),
+                  getattr(opt, "_switch_every", None))
+        decision = Decision(action="reallocate", reason="", evaluation=1, step=1, flops=1.0,
+                            loss=1.0, remaining_flops=1.0, suggestion={key: factor})
+        with pytest.raises((TypeError if isinstance(factor, (str, bool)) else ValueError),
+                           match=key):
+            opt.apply_governor(decision)
+        after = (opt.update_gap if hasattr(opt, "update_gap") else None, list(opt.history),
+                 getattr(opt, "_switch_every", None))
+        assert after == before
+
+
+# A warmup-stable-decay schedule: the governor decides when the decay begins (issue 28).
+
+DECAY = 0.25
+
+
+def _run_decay(curve, seed=0):
+    governor = Governor(BUDGET, decay_fraction=DECAY)
+    decisions = run(curve, governor=governor, noise=1e-3, seed=seed)
+    return governor, decisions
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_plateau_starts_the_decay_early_and_the_run_ends_after_it(seed):
+    governor, decisions = _run_decay(plateau, seed)
+    actions = [d.action for d in decisions]
+    assert actions.count("decay") == 1 and actions[-1] == "stop"
+    start = decisions[actions.index("decay")]
+    assert "would improve the loss" in start.reason
+    # the plateau begins at 0.35 of the budget: the decay starts well before the
+    # budget's 1 / (1 + 0.25) = 0.8, and is a quarter of what was spent before it
+    assert start.flops < 0.6 * BUDGET
+    assert start.suggestion["decay_flops"] == pytest.approx(DECAY * start.flops)
+    assert governor.decay_end == pytest.approx(start.flops * (1 + DECAY))
+    # the decay runs to its end, then the run stops: the FLOPs saved are the rest
+    assert all(a == "continue" for a in actions[actions.index("decay") + 1:-1])
+    assert decisions[-1].reason.startswith("decay done")
+    assert decisions[-1].flops >= governor.decay_end
+    assert decisions[-1].flops < 0.8 * BUDGET
+
+
+def test_a_steady_run_decays_when_the_budget_only_pays_for_the_decay():
+    governor, decisions = _run_decay(steady)
+    start = next(d for d in decisions if d.action == "decay")
+    assert start.reason.startswith("the budget left pays for the decay")
+    assert start.flops * (1 + DECAY) >= BUDGET
+    assert start.flops == pytest.approx(BUDGET / (1 + DECAY), rel=0.02)
+    assert decisions[-1].action == "stop"
+    assert decisions[-1].flops <= BUDGET + BUDGET / EVALUATIONS
+
+
+def test_without_a_decay_phase_a_plateau_stops_as_before():
+    decisions = run(plateau, governor=Governor(BUDGET), noise=1e-3)
+    assert "decay" not in [d.action for d in decisions]
+    assert decisions[-1].action == "stop"
+
+
+def test_the_decay_phase_resumes_from_a_state_dict():
+    governor, decisions = _run_decay(plateau)
+    start = [d.action for d in decisions].index("decay")
+    # replay up to just after the decay started, save, load into a new governor
+    first = Governor(BUDGET, decay_fraction=DECAY)
+    for d in decisions[:start + 1]:
+        first.observe(d.loss, flops=d.flops)
+    second = Governor(BUDGET, decay_fraction=DECAY)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert second.decaying and second.decay_end == first.decay_end
+    for d in decisions[start + 1:]:
+        assert second.observe(d.loss, flops=d.flops).action == d.action
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, float("nan"), float("inf")])
+def test_a_bad_decay_fraction_is_refused(fraction):
+    with pytest.raises(ValueError, match="decay_fraction"):
+        Governor(BUDGET, decay_fraction=fraction)

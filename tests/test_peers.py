@@ -1,4 +1,4 @@
-"""The peers' rows of the demo (frugal_kernels.peers): built on the demo's split, stepped,
+"""The peers' rows of the demo (frugal_kernels.lab.peers): built on the demo's split, stepped,
 skipped with a notice without their package, and counted to the byte in the memory columns."""
 
 import dataclasses
@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from frugal_kernels import demo, peers
+from frugal_kernels.lab import demo, peers
 from frugal_kernels.__main__ import main
-from frugal_kernels.data import load_corpus
+from frugal_kernels.lab.corpus import load_corpus
 from frugal_kernels.model import LlamaForCausalLM
-from frugal_kernels.train import TrainConfig, lr_groups, step_memory, train
+from frugal_kernels.lab.train import TrainConfig, lr_groups, step_memory, train
 
 MAX_BYTES = 200_000
 TINY = TrainConfig(model="tiny", steps=6, batch_size=2, seq_len=16, warmup_steps=2,

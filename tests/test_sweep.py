@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from frugal_kernels import demo, sweep, tuned
+from frugal_kernels.lab import demo, sweep, tuned
 from frugal_kernels.__main__ import main
-from frugal_kernels.train import TrainConfig
+from frugal_kernels.lab.train import TrainConfig
 
 MAX_BYTES = 200_000
 TINY_ARGS = ["--model", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "16",

@@ -35,8 +35,7 @@ from torch import nn
 
 import frugal_kernels as fk
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM
-from frugal_kernels.optim.memory import release_freed_memory, storage_bytes
-from frugal_kernels.train import PeakMemory
+from frugal_kernels.optim.memory import PeakMemory, release_freed_memory, storage_bytes
 
 __all__ = ["OPTIMIZERS", "SHAPES", "TARGET", "measure_step", "step_memory"]
 

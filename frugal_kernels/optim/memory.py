@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
+import re
+import resource
+import sys
 from typing import Iterable
 
 import torch
 
-__all__ = ["release_freed_memory", "storage_bytes"]
+__all__ = ["PeakMemory", "release_freed_memory", "storage_bytes"]
 
 
 def release_freed_memory() -> None:
@@ -49,3 +53,50 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = local(t).untyped_storage()
         storages[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
+
+
+class PeakMemory:
+    """Peak memory from now on: CUDA's allocator high-water mark on a GPU, else the process's
+    resident-set high-water mark (VmHWM).
+
+    tracemalloc would miss torch's allocations, so the CPU figure is the whole process's RSS,
+    model and libraries included. Linux resets VmHWM on request (clear_refs), so each run
+    starts its own; where that fails, ``kind`` says the peak covers the process's lifetime.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.kind = "cuda_max_allocated"
+            return
+        gc.collect()
+        # Without this, heap memory freed by an earlier run stays resident and sets the floor.
+        release_freed_memory()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.kind = "rss_peak"
+        except OSError:
+            self.kind = "rss_peak_since_process_start"
+
+    def read(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        try:
+            with open("/proc/self/status") as f:
+                return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+        except (OSError, AttributeError):
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, else kB
+
+    def current(self) -> int:
+        """Memory in use now: CUDA's allocated bytes, else the process's resident set (VmRSS;
+        0 where /proc is missing)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        try:
+            with open("/proc/self/status") as f:
+                return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+        except (OSError, AttributeError):
+            return 0

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from frugal_kernels import demo
-from frugal_kernels.train import TrainConfig
+from frugal_kernels.lab import demo
+from frugal_kernels.lab.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_BYTES = 200_000

@@ -141,7 +141,7 @@ def test_a_low_rank_state_is_checked_against_its_projection():
 
 
 def test_the_memory_release_helper_is_public_and_shared():
-    import frugal_kernels.train as train
+    import frugal_kernels.lab.train as train
 
     memory.release_freed_memory()  # a no-op where malloc_trim does not exist
     assert train.release_freed_memory is memory.release_freed_memory

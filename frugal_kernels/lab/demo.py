@@ -7,7 +7,7 @@ and writes ``metrics.json`` (every per-step metric) and ``demo.png`` into its ou
 
 Adding an optimizer to the demo is one entry in :data:`OPTIMIZERS`. Each optimizer runs at
 the learning rates recorded for it and the model preset in ``tuned.json``
-(:mod:`frugal_kernels.tuned`, from ``frugal-kernels sweep``) unless ``tuned=False``.
+(:mod:`frugal_kernels.lab.tuned`, from ``frugal-kernels sweep``) unless ``tuned=False``.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from frugal_kernels import tuned as tuned_lrs
-from frugal_kernels.data import TokenDataset, load_corpus
+from frugal_kernels.lab import tuned as tuned_lrs
+from frugal_kernels.lab.corpus import TokenDataset, load_corpus
 from frugal_kernels.model import LlamaForCausalLM
 from frugal_kernels.nn import quantize_
 from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam, step_in_backward
-from frugal_kernels.peers import PEERS, missing
-from frugal_kernels.train import OptimizerFactory, RunResult, TrainConfig, lr_groups, train
+from frugal_kernels.lab.peers import PEERS, missing
+from frugal_kernels.lab.train import OptimizerFactory, RunResult, TrainConfig, lr_groups, train
 
 __all__ = ["DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "OPTIMIZERS", "available", "collect_metrics", "plot",
            "resolve", "run_config", "run_demo", "run_train", "table", "write"]
@@ -169,7 +169,7 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
 
 
 def _peer(spec: dict[str, Any]) -> DemoOptimizer:
-    """A row of :data:`~frugal_kernels.peers.PEERS`; a subspace method gets the demo's T."""
+    """A row of :data:`~frugal_kernels.lab.peers.PEERS`; a subspace method gets the demo's T."""
     spec = dict(spec)
     make = spec.pop("make")
     if not spec.pop("subspace", False):
@@ -181,7 +181,7 @@ def _peer(spec: dict[str, Any]) -> DemoOptimizer:
     return DemoOptimizer(make=make_at_the_demos_gap, **spec)
 
 
-# What users would pick instead (frugal_kernels.peers): rows skipped when their package is not
+# What users would pick instead (frugal_kernels.lab.peers): rows skipped when their package is not
 # installed.
 OPTIMIZERS.update((name, _peer(spec)) for name, spec in PEERS.items())
 

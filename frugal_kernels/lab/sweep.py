@@ -1,10 +1,10 @@
 """``frugal-kernels sweep``: the demo's training over a grid of learning rates and seeds.
 
-Every setting is the demo's run (:func:`frugal_kernels.train.train` with the optimizer of
-:data:`frugal_kernels.demo.OPTIMIZERS`), from the seed's initialisation and batches. The sweep
+Every setting is the demo's run (:func:`frugal_kernels.lab.train.train` with the optimizer of
+:data:`frugal_kernels.lab.demo.OPTIMIZERS`), from the seed's initialisation and batches. The sweep
 writes ``sweep.json`` (every run, the best setting per optimizer), ``sweep.md`` and
 ``sweep.csv``; with ``tuned`` it records the best settings in a ``tuned.json``
-(:mod:`frugal_kernels.tuned`), the file the demo reads its learning rates from.
+(:mod:`frugal_kernels.lab.tuned`), the file the demo reads its learning rates from.
 
 The best setting of an optimizer is the one with the lowest mean final validation loss over
 the seeds; its ``spread`` is the seeds' range (max - min) there.
@@ -24,10 +24,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from frugal_kernels import demo
-from frugal_kernels import tuned as tuned_lrs
-from frugal_kernels.data import load_corpus
-from frugal_kernels.train import TrainConfig, train
+from frugal_kernels.lab import demo
+from frugal_kernels.lab import tuned as tuned_lrs
+from frugal_kernels.lab.corpus import load_corpus
+from frugal_kernels.lab.train import TrainConfig, train
 
 __all__ = ["best_settings", "run_sweep", "table"]
 

@@ -30,17 +30,16 @@ from torch import nn
 from torch.optim import Optimizer
 
 from frugal_kernels._layout import STATE_FREE_RULES
-from frugal_kernels.data import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
+from frugal_kernels.lab.corpus import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
 from frugal_kernels.nn import QuantLinear
 from frugal_kernels.optim.in_backward import handle_of
-from frugal_kernels.optim.memory import release_freed_memory, storage_bytes
+from frugal_kernels.optim.memory import PeakMemory, release_freed_memory, storage_bytes
 from frugal_kernels.optim.sharding import local
 
 __all__ = [
     "OptimizerFactory",
-    "PeakMemory",
     "RunResult",
     "TrainConfig",
     "lr_factor",
@@ -339,53 +338,6 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), **dataclasses.asdict(self)}
-
-
-class PeakMemory:
-    """Peak memory from now on: CUDA's allocator high-water mark on a GPU, else the process's
-    resident-set high-water mark (VmHWM).
-
-    tracemalloc would miss torch's allocations, so the CPU figure is the whole process's RSS,
-    model and libraries included. Linux resets VmHWM on request (clear_refs), so each run
-    starts its own; where that fails, ``kind`` says the peak covers the process's lifetime.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.kind = "cuda_max_allocated"
-            return
-        gc.collect()
-        # Without this, heap memory freed by an earlier run stays resident and sets the floor.
-        release_freed_memory()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.kind = "rss_peak"
-        except OSError:
-            self.kind = "rss_peak_since_process_start"
-
-    def read(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        try:
-            with open("/proc/self/status") as f:
-                return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
-        except (OSError, AttributeError):
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, else kB
-
-    def current(self) -> int:
-        """Memory in use now: CUDA's allocated bytes, else the process's resident set (VmRSS;
-        0 where /proc is missing)."""
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        try:
-            with open("/proc/self/status") as f:
-                return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
-        except (OSError, AttributeError):
-            return 0
 
 
 def _check_clip(config: TrainConfig, in_backward) -> None:

@@ -6,7 +6,7 @@ AdamW (``bitsandbytes``, whose block-wise 8-bit AdamW runs on the CPU) come with
 demo builds that optimizer, so that the demo runs without them: a row whose package is missing
 is skipped with a one-line notice (:func:`missing`).
 
-Every peer gets the demo's parametrisation (:func:`~frugal_kernels.train.lr_groups`): the
+Every peer gets the demo's parametrisation (:func:`~frugal_kernels.lab.train.lr_groups`): the
 embeddings, norms and head at ``config.lr``, the projected matrices at
 ``config.matrix_lr_ratio * config.lr``; the low-rank peers project exactly the matrices FRUGAL
 projects. The settings each one keeps from its authors are listed in docs/demo.md.
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from frugal_kernels.train import TrainConfig, lr_groups
+from frugal_kernels.lab.train import TrainConfig, lr_groups
 
 __all__ = ["PEERS", "missing"]
 
@@ -76,7 +76,7 @@ def _adamw8bit(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
                                weight_decay=config.weight_decay)
 
 
-# The demo's rows (frugal_kernels.demo.OPTIMIZERS), as DemoOptimizer's keyword arguments;
+# The demo's rows (frugal_kernels.lab.demo.OPTIMIZERS), as DemoOptimizer's keyword arguments;
 # ``requires`` is (module, pip distribution). The factories of the ``subspace`` rows take the
 # steps between subspace changes too: the demo gives them its T for FRUGAL, so that every
 # subspace method changes its subspace at the same steps (the authors' 200 is for runs of

@@ -1,6 +1,6 @@
 """The learning rates the demo uses: the best of a sweep, per model preset and optimizer.
 
-``frugal_kernels/tuned.json`` ships with the package; ``frugal-kernels sweep --write-tuned``
+``frugal_kernels/lab/tuned.json`` ships with the package; ``frugal-kernels sweep --write-tuned``
 records its best settings there (or in the file it is given). Its layout::
 
     {"presets": {"small": {"settings": {...the sweep's TrainConfig, seeds, command...},
