@@ -2,8 +2,15 @@
 
 A tiny ``LlamaForCausalLM`` built from a config (nothing is downloaded) learns a toy
 token sequence; the Trainer saves a checkpoint halfway and a second run resumes from
-it. Run it with ``python examples/hf_trainer.py [output_dir]`` after
-``pip install ".[hf]"``.
+it. Run it with ``python examples/hf_trainer.py [--step-in-backward] [output_dir]``
+after ``pip install ".[hf]"``.
+
+With ``--step-in-backward`` each tensor is stepped inside backward
+(``frugal_kernels.step_in_backward``) as its gradient completes, and the gradient freed:
+the Trainer's loop is unchanged (its ``optimizer.step()`` is then bookkeeping for the LR
+scheduler). The Trainer's own clip runs after backward, when the gradients are gone, so
+it is switched off (``max_grad_norm=0``; a clip there raises) and the step clips each
+tensor's gradient instead (``max_grad_norm=1.0, clip="tensor"``).
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def make_trainer(output_dir: str, max_steps: int = 20, save_steps: int = 10, seed: int = 0):
+def make_trainer(output_dir: str, max_steps: int = 20, save_steps: int = 10, seed: int = 0,
+                 step_in_backward: bool = False, max_grad_norm: float = 1.0):
+    """The Trainer; ``step_in_backward``: step each tensor inside backward, clipped by its
+    own norm to ``max_grad_norm`` (the Trainer's clip after backward is switched off)."""
     from transformers import Trainer, TrainingArguments, get_cosine_schedule_with_warmup
 
     model = tiny_llama(seed)
@@ -51,7 +61,12 @@ def make_trainer(output_dir: str, max_steps: int = 20, save_steps: int = 10, see
                           projection="columns", update_gap=5)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2,
                                                 num_training_steps=max_steps)
+    trainer_clip = max_grad_norm
+    if step_in_backward:
+        fk.step_in_backward(optimizer, max_grad_norm=max_grad_norm or None, clip="tensor")
+        trainer_clip = 0.0
     args = TrainingArguments(output_dir=output_dir, max_steps=max_steps,
+                             max_grad_norm=trainer_clip,
                              per_device_train_batch_size=8, save_steps=save_steps,
                              logging_steps=5, report_to=[], use_cpu=True, seed=seed,
                              dataloader_num_workers=0,
@@ -60,14 +75,20 @@ def make_trainer(output_dir: str, max_steps: int = 20, save_steps: int = 10, see
                    optimizers=(optimizer, scheduler))
 
 
-def main(output_dir: str) -> None:
-    trainer = make_trainer(output_dir)
+def main(output_dir: str, step_in_backward: bool = False) -> None:
+    trainer = make_trainer(output_dir, step_in_backward=step_in_backward)
     result = trainer.train()
-    print(f"trained {result.global_step} steps, final loss {result.training_loss:.3f}")
-    resumed = make_trainer(output_dir)
+    print(f"trained {result.global_step} steps"
+          f"{' (each tensor stepped inside backward)' if step_in_backward else ''}, "
+          f"final loss {result.training_loss:.3f}")
+    resumed = make_trainer(output_dir, step_in_backward=step_in_backward)
     resumed.train(resume_from_checkpoint=f"{output_dir}/checkpoint-10")
     print("resumed from checkpoint-10 and trained to step", resumed.state.global_step)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
+    flags = [a for a in sys.argv[1:] if a.startswith("--")]
+    paths = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if set(flags) - {"--step-in-backward"}:
+        sys.exit(f"usage: {sys.argv[0]} [--step-in-backward] [output_dir]")
+    main(paths[0] if paths else tempfile.mkdtemp(), step_in_backward=bool(flags))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import sys
@@ -44,6 +45,25 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _choice(names: List[str], what: str = "optimizer"):
+    """An argparse type for one of ``names``, case-insensitive, with the closest names
+    suggested for a wrong one (argparse's own message lists every choice, unsorted by
+    likeness)."""
+    by_lower = {n.lower(): n for n in names}
+
+    def parse(text: str) -> str:
+        name = by_lower.get(text.lower())
+        if name is not None:
+            return name
+        close = difflib.get_close_matches(text.lower(), list(by_lower), n=3, cutoff=0.5)
+        hint = (f"did you mean {' or '.join(repr(by_lower[c]) for c in close)}? "
+                if close else "")
+        raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; {hint}choose from "
+                                         f"{', '.join(names)}")
+    parse.__name__ = what
+    return parse
 
 
 def _data_path(text: str) -> str:
@@ -352,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "table.csv and demo.png. The defaults take about 5 minutes on a 2-core CPU.")
     demo_parser.add_argument(
         "--optimizers", nargs="+", metavar="NAME", default=list(demo.DEFAULT_RUNS),
-        choices=list(demo.OPTIMIZERS),
+        type=_choice(list(demo.OPTIMIZERS)),
         help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)} (default: "
              f"{', '.join(demo.DEFAULT_RUNS)}, those whose package is installed); a "
              "governed run brings the run its budget comes from")
@@ -369,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "budget is not worth spending; without --steps the run is as long as the "
                     "budget pays for.")
     trainable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
-    train_parser.add_argument("--optimizer", default="adafrugal", choices=trainable,
+    train_parser.add_argument("--optimizer", default="adafrugal", type=_choice(trainable),
                               help="the optimizer (default: adafrugal)")
     train_parser.add_argument("--flop-budget", type=_positive_float, metavar="F",
                               help="total FLOPs the run may spend (model and optimizer)")
@@ -400,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the tuned.json the demo reads.")
     sweepable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
     sweep_parser.add_argument("--optimizers", nargs="+", metavar="NAME", default=sweepable,
-                              choices=sweepable,
+                              type=_choice(sweepable),
                               help=f"from {', '.join(sweepable)} (default: all)")
     sweep_parser.add_argument("--lrs", nargs="+", type=_positive_float, required=True,
                               metavar="LR", help="learning rates of the embeddings, norms and "
@@ -473,6 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        # A bare `frugal-kernels`: what it can do, rather than "command is required".
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     try:
         return args.func(args)

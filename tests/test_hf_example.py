@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import frugal_kernels as fk
+
 pytest.importorskip("transformers", reason="the hf extra is not installed (pip install '.[hf]')")
 pytest.importorskip("accelerate", reason="the hf extra is not installed (pip install '.[hf]')")
 
@@ -41,6 +43,38 @@ def test_trainer_trains_frugal_and_resumes_exactly(tmp_path):
     # the checkpoint: the resumed run ends on the same parameters, bit for bit.
     for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
+
+
+def _final_params(trainer):
+    trainer.train()
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_trainer_with_the_step_in_backward_equals_the_ordinary_trainer(tmp_path):
+    """The --step-in-backward variant: the Trainer's loop unchanged, each tensor stepped
+    inside backward and its gradient freed; without a clip it ends on the ordinary
+    Trainer's parameters bit for bit, and with its per-tensor clip it trains."""
+    example = load_example()
+    ordinary = _final_params(example.make_trainer(str(tmp_path / "a"), max_steps=6,
+                                                  save_steps=100, max_grad_norm=0.0))
+    trainer = example.make_trainer(str(tmp_path / "b"), max_steps=6, save_steps=100,
+                                   step_in_backward=True, max_grad_norm=0.0)
+    in_backward = _final_params(trainer)
+    assert trainer.state.global_step == 6
+    assert all(p.grad is None for p in trainer.model.parameters())
+    for i, (a, b) in enumerate(zip(in_backward, ordinary)):
+        assert torch.equal(a, b), i
+    clipped = example.make_trainer(str(tmp_path / "c"), max_steps=6, save_steps=100,
+                                   step_in_backward=True)
+    # The Trainer's clip (accelerate's, after backward) would find no gradient and clip
+    # nothing without a word: it is off, and the step clips each tensor instead.
+    handle = fk.optim.in_backward.handle_of(clipped.optimizer)
+    assert clipped.args.max_grad_norm == 0 and handle.max_grad_norm == 1.0
+    result = clipped.train()
+    start = example.tiny_llama()
+    assert result.global_step == 6 and result.training_loss < 4.1  # log(64) = 4.16 at start
+    for a, b in zip(clipped.model.parameters(), start.parameters()):
+        assert torch.isfinite(a).all() and not torch.equal(a, b)
 
 
 def test_param_groups_reads_hf_llama_names():

@@ -76,6 +76,8 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
     out = Path(out) if out is not None else Path("bench/results")
     stem = stem or default_stem(fp, quick, only)
     result["files"] = [str(p) for p in report.files(out, stem)]
+    # Read before this run writes over them.
+    result["recorded_ranges"] = report.recorded_ranges(out, _fingerprint.device_id(fp))
     rounds = rounds or (5 if quick else 15)
     given_preset = preset
     started = time.perf_counter()

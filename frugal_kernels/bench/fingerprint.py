@@ -40,6 +40,9 @@ def fingerprint(device: torch.device) -> dict:
         "cpu_isa": info["cpu_isa"],
         "threads": torch.get_num_threads(),
         "logical_cpus": os.cpu_count(),
+        # The 1, 5 and 15 minute load averages when the run began: on a busy machine every
+        # ratio is noisier (docs/benchmarks.md).
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "torch": torch.__version__,
         "triton": _version("triton"),
         "frugal_kernels": info["version"],

@@ -7,13 +7,14 @@ parameter count, dtype and device; ops added later join the sweep the same way.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence
 
 import torch
 
 from frugal_kernels import _quant, ops
-from frugal_kernels.bench.timing import measure
+from frugal_kernels.bench.timing import measure_rounds, ratio_spread
 from frugal_kernels._layout import (lowrank_dim, lowrank_side, project, subset_dim,
                                     subset_state_shape)
 from frugal_kernels.optim import subspace
@@ -255,7 +256,8 @@ def sweep(*, device: torch.device, numels: Sequence[int], dtypes: Sequence[torch
                             key = f"{case.op}[{case.variant}]/{backend}"
                             candidates[key] = case.run(backend)
                             cases[key] = (case, backend)
-            times = measure(candidates, device=device, rounds=rounds)
+            samples = measure_rounds(candidates, device=device, rounds=rounds)
+            times = {name: statistics.median(s) for name, s in samples.items()}
             copy_gbps = 2 * numel * 4 / times["copy"] / 1e9
             roofline_gbps = 3 * numel * 4 / times["inplace_add"] / 1e9
             for key, (case, backend) in cases.items():
@@ -268,6 +270,7 @@ def sweep(*, device: torch.device, numels: Sequence[int], dtypes: Sequence[torch
                     "copy_fraction": gbps / copy_gbps,
                     "roofline_gbps": roofline_gbps, "roofline_fraction": gbps / roofline_gbps,
                     "speedup_vs_torch_adamw_fused": times["torch_adamw_fused"] / t,
+                    "speedup_spread": ratio_spread(samples["torch_adamw_fused"], samples[key]),
                     "rho": rho,
                 })
             if progress is not None:

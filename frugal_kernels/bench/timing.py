@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -39,6 +39,18 @@ def measure(candidates: Dict[str, Callable[[], None]], *, device: torch.device, 
 
     ``setup[name]`` (untimed) runs before each timed call of ``name``.
     """
+    samples = measure_rounds(candidates, device=device, rounds=rounds, warmup=warmup,
+                             setup=setup)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def measure_rounds(candidates: Dict[str, Callable[[], None]], *, device: torch.device,
+                   rounds: int = 15, warmup: int = 2,
+                   setup: Optional[Dict[str, Callable[[], None]]] = None
+                   ) -> Dict[str, List[float]]:
+    """Seconds of each call of each candidate, one per round (see :func:`measure`): round
+    ``i`` of every candidate ran back to back, so their ratio in that round is measured
+    under the same load."""
     timer = _timer(device)
     setup = setup or {}
     for _ in range(warmup):
@@ -50,7 +62,17 @@ def measure(candidates: Dict[str, Callable[[], None]], *, device: torch.device, 
         for name, fn in candidates.items():
             setup.get(name, _noop)()
             samples[name].append(timer(fn))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
+
+
+def ratio_spread(numerator: List[float], denominator: List[float]) -> List[float]:
+    """The quartiles [q1, q3] of the per-round ratio ``numerator[i] / denominator[i]``: how
+    much a ratio moved from round to round (its median is the reported ratio's peer)."""
+    ratios = sorted(n / d for n, d in zip(numerator, denominator))
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return [q1, q3]
 
 
 def _noop() -> None:

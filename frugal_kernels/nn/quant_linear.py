@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from frugal_kernels import _quant, ops
+from frugal_kernels.nn import _ddp
 
 __all__ = ["QuantLinear", "QuantWeight"]
 
@@ -260,6 +261,7 @@ class QuantLinear(nn.Module):
                  scale: str = "tensor", device=None, dtype: Optional[torch.dtype] = None,
                  seed: int = 0, scale_init: str = "absmean"):
         super().__init__()
+        _ddp.guard_ddp_broadcast()  # DDP's broadcast would fail obscurely on it
         _quant.check_bits(bits, "QuantLinear")
         if scale not in _SCALES:
             raise ValueError(f"QuantLinear: scale must be 'tensor' or 'row', got {scale!r}")

@@ -361,12 +361,8 @@ class BAdam(torch.optim.Optimizer):
     # the pieces of step(); the switch comes once backward is done.
 
     def _tensor_steps_refused(self) -> Optional[str]:
-        if self.nonfinite == "skip":
-            return ("nonfinite='skip' skips the whole step when any gradient is non-finite, "
-                    "which needs every gradient before the first tensor is updated; build it "
-                    "with nonfinite='raise' (a non-finite gradient raises from backward, "
-                    "naming its parameter; the tensors stepped before it keep their update) "
-                    "or nonfinite='propagate'")
+        # Under nonfinite="skip" the step in backward skips each tensor with a
+        # non-finite gradient (frugal_kernels.optim.in_backward).
         return None
 
     def _begin_tensor_steps(self) -> None:

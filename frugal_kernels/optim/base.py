@@ -402,13 +402,8 @@ class FusedOptimizer(Optimizer):
 
     def _tensor_steps_refused(self) -> Optional[str]:
         """Why this optimizer, as set up now, cannot step its tensors one at a time (None
-        when it can)."""
-        if self.nonfinite == "skip":
-            return ("nonfinite='skip' skips the whole step when any gradient is non-finite, "
-                    "which needs every gradient before the first tensor is updated; build the "
-                    "optimizer with nonfinite='raise' (a non-finite gradient raises from "
-                    "backward, naming its parameter; the tensors stepped before it keep their "
-                    "update) or nonfinite='propagate'")
+        when it can). Every policy can: under ``nonfinite="skip"`` the step in backward
+        skips each tensor whose gradient is non-finite (frugal_kernels.optim.in_backward)."""
         return None
 
     def _begin_tensor_steps(self) -> None:

@@ -159,8 +159,11 @@ class FRUGAL(FusedOptimizer):
         kinds (``random``, ``svd``) start their moments afresh (a projection of a
         second moment is not the second moment of the projection). The carried
         tensors are the old optimizer's: delete it to free its state. A scheduler
-        holds its optimizer: make a new one for the new optimizer (``last_epoch``
-        with the ``"initial_lr"`` the groups kept resumes its schedule).
+        holds its optimizer: make a new one for the new optimizer, with
+        ``last_epoch=step - 1`` to resume its schedule. Each group keeps the
+        ``"initial_lr"`` an earlier scheduler set, and one that had none gets its
+        current lr as ``"initial_lr"`` (what a scheduler made at step 0 would have
+        recorded), since torch's schedulers made with ``last_epoch`` read it.
 
         Raises TypeError for another optimizer type and ValueError for settings
         FRUGAL does not have (``amsgrad``, ``maximize``, Adam's coupled weight
@@ -169,6 +172,10 @@ class FRUGAL(FusedOptimizer):
         groups, carried = _groups_and_moments(optimizer)
         new = cls(groups, **options)
         new._carried = carried
+        for group in new.param_groups:
+            if "initial_lr" not in group:
+                lr = group["lr"]
+                group["initial_lr"] = lr.clone() if isinstance(lr, Tensor) else lr
         return new
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterable, List, Optional
 
 from torch import nn
@@ -46,9 +47,16 @@ def param_groups(
     group. Returns ``[{"params": regular, "projected": False},
     {"params": projected, "projected": True, **projected_options}]``, empty
     groups left out.
+
+    When no parameter is projected although the model has matrices that could
+    be (2-D weights outside embeddings, norms and head: a model whose names no
+    pattern knows, such as a plain ``nn.Sequential``), one warning names them
+    and says how to project them (``extra_patterns``): FRUGAL would otherwise
+    hold exactly AdamW's state.
     """
     patterns = tuple(patterns if patterns is not None else DEFAULT_PATTERNS) + tuple(extra_patterns)
     projected, regular, seen = [], [], set()
+    unmatched = []  # names of the 2-D weights no pattern matched
     for module_name, module in model.named_modules():
         for param_name, p in module.named_parameters(recurse=False):
             if id(p) in seen or not p.requires_grad:
@@ -59,12 +67,31 @@ def param_groups(
                 projected.append(p)
             else:
                 regular.append(p)
+                if _is_projected(module, module_name, param_name, p, ("",), False, False,
+                                 False):
+                    unmatched.append(f"{module_name}.{param_name}" if module_name
+                                     else param_name)
+    if not projected and unmatched:
+        _warn_nothing_projected(unmatched)
     groups = []
     if regular:
         groups.append({"params": regular, "projected": False})
     if projected:
         groups.append({"params": projected, "projected": True, **projected_options})
     return groups
+
+
+def _warn_nothing_projected(unmatched: List[str]) -> None:
+    shown = ", ".join(unmatched[:6]) + (f" and {len(unmatched) - 6} more"
+                                         if len(unmatched) > 6 else "")
+    module = unmatched[0].rsplit(".", 1)[0]
+    warnings.warn(
+        f"param_groups projected nothing: no module name matched a known pattern "
+        f"(frugal_kernels.optim.grouping.DEFAULT_PATTERNS: Llama, GPT-2, BERT names), so "
+        f"FRUGAL would keep full AdamW state for every parameter. Matrices seen: {shown}. "
+        f"Name the ones to project with extra_patterns=[...] (fragments of their module "
+        f"names, e.g. param_groups(model, extra_patterns=[{module!r}])); docs/optimizers.md, "
+        f"\"Which parameters are projected\"", UserWarning, stacklevel=3)
 
 
 def _is_projected(module, module_name, param_name, p, patterns, project_embeddings, project_head,

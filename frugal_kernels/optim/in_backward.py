@@ -24,11 +24,19 @@ An optimizer joins by having four methods (FusedOptimizer's are the model):
 ``_end_tensor_steps()``. A swapped torch optimizer gets them from
 :func:`frugal_kernels.optim.swap.tensor_steps`.
 
+Non-finite gradients: the ordinary step's ``nonfinite="skip"`` (the default)
+skips the whole step when any gradient is non-finite, which needs every gradient
+before the first update. Inside backward it skips per tensor instead: a tensor
+whose gradient holds a NaN or an inf is not updated (its parameter and state stay
+as they were, its gradient is freed), the others are, and the event is counted
+(``handle.nonfinite_skips``, and an entry in the optimizer's ``history``).
+
 What needs every gradient before the first update cannot run this way, and
 says so: a GradScaler (its skip of a step with an inf) raises at
 ``scaler.step``; a global-norm clip is the two-pass :meth:`StepInBackward.norm_pass`
-or, in one pass, ``clip="tensor"`` (each tensor's gradient by its own norm);
-FRUGAL's ``nonfinite="skip"`` is refused. Under DistributedDataParallel the
+or, in one pass, ``clip="tensor"`` (each tensor's gradient by its own norm), and
+``torch.nn.utils.clip_grad_norm_`` over parameters that step in backward raises
+(their gradients are gone: it would clip nothing and return 0). Under DistributedDataParallel the
 step waits for each bucket's all-reduce (``ddp=``); FSDP2's DTensor parameters
 are refused (docs/optimizers.md).
 """
@@ -36,8 +44,10 @@ are refused (docs/optimizers.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import types
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -45,7 +55,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from frugal_kernels.optim import swap as _swap
-from frugal_kernels.optim.base import check_int, check_number
+from frugal_kernels.optim.base import check_int, check_number, first_nonfinite
 
 __all__ = ["CLIP_SCOPES", "StepInBackward", "step_in_backward", "handle_of"]
 
@@ -62,6 +72,17 @@ _GRAD_SCALER_ERROR = (
     "with its still-scaled gradient, and skipping a step with an inf needs every gradient "
     "first. Train in bfloat16 autocast (no scaler needed), or remove the step in backward "
     "(handle.remove()) to use the GradScaler")
+
+# The handles whose hooks are on now: torch.nn.utils.clip_grad_norm_ is guarded while
+# there is one (_guard_clip_grad_norm).
+_ACTIVE: "weakref.WeakSet[StepInBackward]" = weakref.WeakSet()
+_CLIP_ERROR = (
+    "torch.nn.utils.clip_grad_norm_ got parameters that step in backward: their gradients "
+    "were used and freed inside backward, so it would clip nothing (and return 0). Clip "
+    "inside the step instead: frugal_kernels.step_in_backward(optimizer, max_grad_norm=..., "
+    "clip='tensor') (each tensor by its own norm, one pass) or clip='global' (torch's joint "
+    "norm, with handle.norm_pass()); or handle.remove() for the ordinary step "
+    "(docs/optimizers.md, \"The step in backward\")")
 
 
 def step_in_backward(optimizer: Optimizer, accumulation_steps: int = 1, *,
@@ -81,11 +102,12 @@ def step_in_backward(optimizer: Optimizer, accumulation_steps: int = 1, *,
     bookkeeping LR schedulers watch, and ``zero_grad()`` finds nothing to clear.
 
     Args:
-        optimizer: a :class:`~frugal_kernels.FRUGAL`, :class:`~frugal_kernels.AdaFRUGAL`
-            or :class:`~frugal_kernels.DQT` (``nonfinite="raise"`` or
-            ``"propagate"``), :class:`~frugal_kernels.BAdam`,
-            or a torch AdamW / Adam / SGD swapped onto the fused ops
-            (:func:`frugal_kernels.swap`).
+        optimizer: a :class:`~frugal_kernels.FRUGAL`, :class:`~frugal_kernels.AdaFRUGAL`,
+            :class:`~frugal_kernels.DQT` or :class:`~frugal_kernels.BAdam` (under their
+            default ``nonfinite="skip"`` a tensor with a non-finite gradient is not
+            updated and the rest of the step goes on; see the module docstring), or
+            a torch AdamW / Adam / SGD swapped onto the fused ops
+            (:func:`frugal_kernels.swap`), which propagates NaN as torch's step does.
         accumulation_steps: backward passes per optimizer step.
         max_grad_norm: clip the gradients to this 2-norm before their update, by
             ``clip``: ``"tensor"``, each tensor's gradient by its own norm (one pass);
@@ -139,6 +161,11 @@ class StepInBackward:
             once during the last step's backward passes (each counted at its hook).
         step_seconds: host time the last step spent in the optimizer, inside backward (on
             a GPU the kernels run on asynchronously; synchronize in the hooks to time them).
+        nonfinite_skips: tensors left un-updated for a non-finite gradient, over all
+            steps (``nonfinite="skip"``; each step with one also adds an entry to the
+            optimizer's ``history``).
+        skips_per_tensor: whether this handle applies that per-tensor skip (the
+            optimizer's ``nonfinite`` is ``"skip"``).
     """
 
     def __init__(self, optimizer: Optimizer, accumulation_steps: int,
@@ -184,6 +211,8 @@ class StepInBackward:
         self.steps = 0
         self.peak_grad_bytes = 0
         self.step_seconds = 0.0
+        self.nonfinite_skips = 0
+        self._step_skips = 0           # of this step
         self._tensor_steps = steps
         self._ddp = ddp
         self._hooks: Dict[Tensor, Any] = {}
@@ -208,6 +237,8 @@ class StepInBackward:
         # unscaling gradients that are gone and failing on an assertion.
         optimizer._step_supports_amp_scaling = True
         self._sync_hooks()
+        _ACTIVE.add(self)
+        _guard_clip_grad_norm()
         if ddp is not None:
             ddp.register_comm_hook(None, self._ddp_comm_hook)
             # DDP's own optimizer-in-backward switch (DistributedDataParallel.
@@ -227,6 +258,7 @@ class StepInBackward:
         for hook in self._hooks.values():
             hook.remove()
         self._hooks.clear()
+        _ACTIVE.discard(self)
         opt = self.optimizer
         del opt.__dict__[_HANDLE]
         for name, saved in self._patched.items():
@@ -266,6 +298,11 @@ class StepInBackward:
             return
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
         self._clip_coef = torch.clamp(self.max_grad_norm / (total + _CLIP_EPS), max=1.0)
+
+    @property
+    def skips_per_tensor(self) -> bool:
+        # Read at each tensor, as the optimizer's own policy is read at each step.
+        return getattr(self._tensor_steps, "nonfinite", None) == "skip"
 
     # ------------------------------------------------------------------- hooks
 
@@ -330,8 +367,13 @@ class StepInBackward:
                 coef = torch.clamp(self.max_grad_norm /
                                    (torch.linalg.vector_norm(p.grad) + _CLIP_EPS), max=1.0)
             p.grad.mul_(coef.to(p.grad.device))
-        with _timed(self), torch.no_grad():
-            self._tensor_steps._step_tensor(p)
+        # One host read of a flag per tensor, as nonfinite="raise" takes (the ordinary
+        # step's on-device skip needs every gradient first).
+        if self.skips_per_tensor and first_nonfinite([(0, 0, p)]) is not None:
+            self._step_skips += 1
+        else:
+            with _timed(self), torch.no_grad():
+                self._tensor_steps._step_tensor(p)
         self._stepped.add(p)
         p.grad = None
         self._live_bytes -= self._live_grads.pop(p, 0)
@@ -348,6 +390,10 @@ class StepInBackward:
             for p in list(self._hooks):
                 if p.grad is not None and p not in self._stepped:
                     self._step(p)
+            # Before the step's end, which may switch BAdam's block: the entry names the
+            # block (or rho and T) this step ran with.
+            if self._step_skips:
+                self._record_skips(self._step_skips)
             with _timed(self), torch.no_grad():
                 self._tensor_steps._end_tensor_steps()
         finally:
@@ -355,7 +401,20 @@ class StepInBackward:
         self.steps += 1
         self._sync_hooks()
 
+    def _record_skips(self, count: int) -> None:
+        """Count the tensors this step left un-updated, on the handle and in the optimizer's
+        history (an entry shaped as its others: rho and T, or the block, in force)."""
+        self.nonfinite_skips += count
+        history = getattr(self.optimizer, "history", None)
+        if isinstance(history, list):
+            entry = dict(history[-1]) if history else {}
+            entry["step"] = getattr(self.optimizer, "_steps_taken", self.steps + 1)
+            entry["reason"] = (f"nonfinite gradient: {count} tensor(s) not updated in "
+                               "backward")
+            history.append(entry)
+
     def _finish_step(self) -> None:
+        self._step_skips = 0
         self._stepping = False
         self._stepped = set()
         self._live_grads, self._live_bytes = {}, 0
@@ -433,6 +492,33 @@ def _bookkeeping_step(handle: StepInBackward) -> Callable:
     # Tells LR schedulers made after this that the step already sets _opt_called.
     step._wrapped_by_lr_sched = True
     return step
+
+
+def _guard_clip_grad_norm() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` refuse the parameters of an active step in
+    backward (it would find no gradient and clip nothing); other calls go through
+    unchanged. Installed once; a call made while no handle is active only checks an
+    empty set."""
+    from torch.nn.utils import clip_grad
+
+    original = torch.nn.utils.clip_grad_norm_
+    if getattr(original, "_frugal_guard", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        if _ACTIVE:
+            if isinstance(parameters, Tensor):
+                parameters = [parameters]
+            parameters = list(parameters)
+            if any(p in handle._hooks for handle in list(_ACTIVE) for p in parameters):
+                raise RuntimeError(_CLIP_ERROR)
+        return original(parameters, *args, **kwargs)
+
+    clip_grad_norm_._frugal_guard = True
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    if clip_grad.clip_grad_norm_ is original:
+        clip_grad.clip_grad_norm_ = clip_grad_norm_
 
 
 def _params(optimizer: Optimizer) -> List[Tensor]:

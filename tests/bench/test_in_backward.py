@@ -32,7 +32,8 @@ def test_rows_hold_the_bytes_each_step_keeps_alive():
     assert verdict["ratio"] == rows[("frugal_rho0.25", "in_backward")]["held_vs_torch_adamw"]
     text = markdown({"fingerprint": {"gpu": "x", "torch": "", "triton": "", "frugal_kernels": ""},
                      "command": "", "in_backward": result})
-    assert "### 1 x 16 tokens" in text and "Target at 1 x 16" in text
+    assert "### 1 x 16 tokens" in text and "At 1 x 16: FRUGAL rho=0.25 in backward" in text
+    assert "target" not in text.lower() and "not met" not in text  # internal, not for users
 
 
 def test_a_fresh_process_measures_the_same_held_bytes():
@@ -50,6 +51,6 @@ def test_the_bench_command_runs_the_section(tmp_path, capsys, monkeypatch):
     assert main(["bench", "--only", "in_backward", "--quick", "--preset", "tiny",
                  "--device", "cpu", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "ordinary vs step in backward (tiny" in printed and "Target at 1 x 64" in printed
+    assert "ordinary vs step in backward (tiny" in printed and "At 1 x 64: FRUGAL rho=0.25 in backward" in printed
     written = sorted(p.name for p in tmp_path.iterdir())
     assert [n.rsplit(".", 1)[1] for n in written] == ["json", "md"]

@@ -200,7 +200,8 @@ def _rank(rank, world, port, out):
     # FRUGAL's rows and randk draw along the rows, which the ranks hold in part.
     results["rows_refused"] = error_of(lambda: fk.DQT(fsdp(Net("frugal-4"), mesh).parameters(),
                                                       update="frugal", projection="rows"))
-    # DDP's own initial broadcast cannot write the placeholders (hence init_sync=False).
+    # DDP's own initial broadcast cannot write the placeholders (hence init_sync=False):
+    # refused before it writes, with the recipe (frugal_kernels.nn._ddp).
     results["ddp_init_sync"] = error_of(
         lambda: nn.parallel.DistributedDataParallel(Net("adamw-4")), RuntimeError)
     # A 2-D mesh (HSDP) and a second sharding are refused.
@@ -407,7 +408,9 @@ def test_row_subsets_are_refused_on_split_rows(runs):
 
 def test_refusals(runs):
     _, ranks = runs
-    assert "more than one element of the written-to tensor" in ranks[0]["ddp_init_sync"]
+    # Plain DDP points to the recipe (torch's own error was about memory aliasing).
+    assert "init_sync=False, forward_sync_buffers=False" in ranks[0]["ddp_init_sync"]
+    assert "DQT under DDP" in ranks[0]["ddp_init_sync"]
     assert "1-D DeviceMesh" in ranks[0]["mesh_2d"]
     assert "sharded already" in ranks[0]["twice"]
 

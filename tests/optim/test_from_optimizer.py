@@ -132,3 +132,62 @@ def test_adam_without_weight_decay_is_accepted():
     run(ref_opt, ref, seq)
     for p, q in zip(ps, ref):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def scheduled_adamw(ps, steps, t_max):
+    """An AdamW with a cosine schedule, after ``steps`` steps."""
+    opt = torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}], **HYPER)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=t_max)
+    for gs in grads(ps, steps):
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        opt.step()
+        sched.step()
+    return opt, sched
+
+
+@pytest.mark.parametrize("cls", [fk.FRUGAL, fk.AdaFRUGAL])
+@pytest.mark.parametrize("how", ["last_epoch", "load_state_dict"])
+def test_the_documented_scheduler_lines_continue_the_schedule(cls, how):
+    # docs/integration.md: from_optimizer, then a new scheduler that continues the AdamW's.
+    step, t_max, more = 3, 10, 4
+    ps = params()
+    adamw, old = scheduled_adamw(ps, step, t_max)
+    opt = cls.from_optimizer(adamw, **({"rho_steps": 100} if cls is fk.AdaFRUGAL else {}))
+    if how == "last_epoch":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=t_max,
+                                                           last_epoch=step - 1)
+    else:
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=t_max)
+        sched.load_state_dict(old.state_dict())
+    _, ref = scheduled_adamw(params(), step, t_max)  # the same run, never interrupted
+    for gs in grads(ps, more, seed=5):
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        opt.step()
+        sched.step()
+        ref.optimizer.step()
+        ref.step()
+        assert sched.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12)
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(ref.get_last_lr())
+
+
+def test_without_an_earlier_scheduler_the_groups_get_initial_lr():
+    # torch's schedulers made with last_epoch read "initial_lr", which only a scheduler
+    # sets: the documented line raised KeyError on an AdamW that never had one.
+    opt = fk.FRUGAL.from_optimizer(adamw_after(3, params()))
+    assert [g["initial_lr"] for g in opt.param_groups] == [HYPER["lr"], 3e-3]
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10, last_epoch=2)
+    assert sched.base_lrs == [HYPER["lr"], 3e-3]
+    fresh = torch.optim.lr_scheduler.CosineAnnealingLR(
+        fk.FRUGAL.from_optimizer(adamw_after(3, params())), T_max=10)
+    assert fresh.get_last_lr() == [HYPER["lr"], 3e-3]
+
+
+def test_a_kept_initial_lr_is_not_replaced():
+    ps = params()
+    adamw = adamw_after(2, ps)
+    torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)  # sets initial_lr
+    adamw.param_groups[0]["lr"] = 1e-3  # as that scheduler would have lowered it
+    opt = fk.FRUGAL.from_optimizer(adamw)
+    assert opt.param_groups[0]["initial_lr"] == HYPER["lr"]

@@ -1,5 +1,8 @@
 """param_groups: the paper's split for several naming schemes."""
 
+import warnings
+
+import pytest
 import torch
 from torch import nn
 
@@ -112,3 +115,30 @@ def test_frozen_parameters_are_left_out():
     groups = fk.param_groups(model)
     ids = {id(p) for g in groups for p in g["params"]}
     assert id(model.model.embed_tokens.weight) not in ids
+
+
+def test_unknown_names_warn_once_naming_the_matrices_and_the_fix():
+    # A plain MLP: no module name is a known pattern, so nothing would be projected and
+    # FRUGAL would silently hold AdamW's state.
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.warns(UserWarning) as caught:
+        groups = fk.param_groups(mlp)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "projected nothing" in message and "0.weight, 2.weight" in message
+    assert "extra_patterns" in message
+    assert [g["projected"] for g in groups] == [False]
+    # The fix it names works, and then it is silent.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = fk.param_groups(mlp, extra_patterns=["0", "2"])
+    assert _names(mlp, next(g for g in groups if g["projected"])) == {"0.weight", "2.weight"}
+
+
+def test_no_warning_where_nothing_could_be_projected():
+    # Only an embedding, a norm and biases: nothing to project, nothing to warn about.
+    model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "norm": nn.LayerNorm(4)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fk.param_groups(model)
+        fk.param_groups(LlamaForCausalLM(LlamaConfig.from_preset("tiny")))

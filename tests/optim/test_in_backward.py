@@ -305,8 +305,6 @@ def test_a_grad_scaler_raises(info):
 
 def test_refusals_name_what_to_change():
     proj, reg = make_params()
-    with pytest.raises(ValueError, match="nonfinite='skip'"):
-        fk.step_in_backward(fk.FRUGAL(groups(proj, reg)))
     with pytest.raises(TypeError, match=r"frugal_kernels.swap\(optimizer\)"):
         fk.step_in_backward(torch.optim.AdamW(proj + reg))
     with pytest.raises(TypeError, match="step_in_backward takes"):
@@ -330,10 +328,13 @@ def test_refusals_name_what_to_change():
     with pytest.raises(RuntimeError, match="clip='global'"):
         with handle.norm_pass():
             pass
-    # Switched to skip after the hooks were set: the next step refuses, from backward.
+    # Switched to skip after the hooks were set: the next step skips per tensor.
     opt.nonfinite = "skip"
-    with pytest.raises(ValueError, match="nonfinite='skip'"):
-        _backward(proj + reg, grad_sequence(proj + reg, 1)[0])
+    grads = grad_sequence(proj + reg, 1)[0]
+    grads[0] = torch.full_like(grads[0], float("nan"))
+    before = proj[0].detach().clone()
+    _backward(proj + reg, grads)
+    assert handle.nonfinite_skips == 1 and torch.equal(proj[0], before)
 
 
 def test_a_non_finite_gradient_raises_from_backward_naming_its_tensor():
@@ -351,13 +352,10 @@ def test_a_non_finite_gradient_raises_from_backward_naming_its_tensor():
 
 @pytest.mark.parametrize("inner", ["adamw", "frugal"])
 def test_badam_in_backward_follows_its_nonfinite_policy(inner):
-    """BAdam's default nonfinite="skip" needs every gradient first: refused, as FRUGAL's;
-    under "raise" a non-finite gradient of the active block raises from backward."""
+    """Under "raise" a non-finite gradient of BAdam's active block raises from backward
+    (its default "skip": test_the_default_skips_each_non_finite_tensor_and_goes_on)."""
     info = next(i for i in OPTIMIZERS if i.name == ("BAdam-frugal" if inner == "frugal"
                                                       else "BAdam-ascending"))
-    opt, params = info.build()
-    with pytest.raises(ValueError, match="BAdam cannot step in backward: nonfinite='skip'"):
-        fk.step_in_backward(opt)
     opt, params = _build(info)
     assert opt.nonfinite == "raise"
     fk.step_in_backward(opt)
@@ -370,6 +368,90 @@ def test_badam_in_backward_follows_its_nonfinite_policy(inner):
     with pytest.raises(ValueError, match="non-finite gradient"):
         _backward(params, grads)
     assert torch.equal(active[0], before)
+
+
+def _nan_at(grads, i):
+    grads[i] = grads[i].clone()
+    grads[i].view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("name", ["FRUGAL-blocks", "FRUGAL-columns", "FRUGAL-svd",
+                                  "AdaFRUGAL-randk", "BAdam-ascending", "BAdam-frugal",
+                                  "DQT-adamw", "DQT-frugal-columns"])
+def test_the_default_skips_each_non_finite_tensor_and_goes_on(name):
+    """Built with its defaults (nonfinite="skip"), an optimizer steps in backward; a tensor
+    whose gradient is non-finite is not updated (param as before, state as the ordinary
+    step leaves a tensor without a gradient), the others
+    take exactly the ordinary step's update of a step without that tensor's gradient, the
+    event is counted on the handle and in the history, and the next step goes on."""
+    info = next(i for i in OPTIMIZERS if i.name == name)
+    opt, params = info.build()
+    ref, ref_params = info.build()
+    assert opt.nonfinite == "skip"
+    handle = fk.step_in_backward(opt)  # refused before: it needed nonfinite="raise"
+    assert handle.skips_per_tensor
+    seq = grad_sequence(params, 3)
+    _train(info, opt, params, seq[:1])
+    _train(info, ref, ref_params, seq[:1])
+    trainable = [i for i, p in enumerate(params) if p.requires_grad]
+    bad = trainable[0]
+    _nan_at(seq[1], bad)
+    before = values(params)[bad].clone()
+    history = len(opt.history)
+    _backward(params, seq[1])
+    opt.step()
+    opt.zero_grad()
+    assert torch.equal(values(params)[bad], before)
+    assert all(p.grad is None for p in params)
+    assert handle.nonfinite_skips == 1 and handle.steps == 2
+    skips = [h for h in opt.history[history:] if h["reason"].startswith("nonfinite")]
+    assert len(skips) == 1 and skips[0]["reason"].startswith("nonfinite gradient: 1 tensor")
+    assert skips[0]["step"] == 2
+    # The ordinary loop, with that tensor given no gradient.
+    _backward(ref_params, seq[1])
+    ref_params[bad].grad = None
+    ref.step()
+    ref.zero_grad()
+    _assert_equal(params, ref_params)
+    assert_same(opt.state_dict()["state"], ref.state_dict()["state"])  # the bad one's too
+    # And the step after goes on as the ordinary one.
+    _train(info, opt, params, seq[2:])
+    _train(info, ref, ref_params, seq[2:])
+    _assert_equal(params, ref_params)
+    assert all(torch.isfinite(v).all() for v in values(params))
+
+
+def test_a_swapped_torch_optimizer_propagates_as_torch_does():
+    _, params = _grouped(0)
+    opt = fk.swap(torch.optim.AdamW(params, lr=1e-2))
+    handle = fk.step_in_backward(opt)
+    assert not handle.skips_per_tensor
+    grads = grad_sequence(params, 1)[0]
+    _nan_at(grads, 0)
+    _backward(params, grads)
+    assert torch.isnan(params[0]).any() and handle.nonfinite_skips == 0
+
+
+def test_clip_grad_norm_after_a_step_in_backward_is_refused():
+    """torch's clip_grad_norm_ after backward found no gradient and returned 0.0: the
+    clip silently did nothing. It now raises, naming the ways to clip; other parameters
+    and removed handles clip as before."""
+    opt, params = _build(OPTIMIZERS[0])
+    handle = fk.step_in_backward(opt)
+    _backward(params, grad_sequence(params, 1)[0])
+    before = [p.detach().clone() for p in params]
+    for call in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_):
+        with pytest.raises(RuntimeError, match="max_grad_norm=.*clip='tensor'"):
+            call(params, 1.0)
+        with pytest.raises(RuntimeError, match="step in backward"):
+            call(params[0], 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    other = torch.nn.Parameter(torch.ones(3))
+    other.grad = torch.full((3,), 2.0)
+    assert torch.nn.utils.clip_grad_norm_([other], 1.0) == pytest.approx(12 ** 0.5)
+    handle.remove()
+    _backward(params, grad_sequence(params, 1)[0])
+    assert torch.nn.utils.clip_grad_norm_(params, 1.0) > 0
 
 
 def test_exported_at_the_top():
