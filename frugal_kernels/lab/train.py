@@ -33,7 +33,6 @@ from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.lab.corpus import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
-from frugal_kernels.nn import QuantLinear
 from frugal_kernels.optim.in_backward import handle_of
 from frugal_kernels.optim.memory import PeakMemory, release_freed_memory, storage_bytes
 from frugal_kernels.optim.sharding import local
@@ -207,10 +206,8 @@ def step_memory(model: nn.Module, opt: Optimizer) -> dict[str, int]:
     An optimizer that steps in backward (:func:`~frugal_kernels.step_in_backward`) has
     freed its gradients by then: its gradient bytes are the most that were alive at once
     during backward (``handle.peak_grad_bytes``)."""
-    # A QuantLinear's weight lives in its codes and scales (buffers); its parameter is
-    # a one-value placeholder that carries the gradient.
-    params = [p for p in model.parameters()] + [
-        t for m in model.modules() if isinstance(m, QuantLinear) for t in (m.codes, m.scale)]
+    # A QuantLinear's weight counts its codes and scales (storage_bytes reads them).
+    params = list(model.parameters())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     state = list(_state_tensors(opt))
     memory = {"weight_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),

@@ -10,17 +10,17 @@ at a time (:func:`frugal_kernels.ops.dequantize`) and run the GEMM on it; and
 :class:`frugal_kernels.DQT` updates the codes in place with a fused
 stochastic-rounding step.
 
-The module still has a ``weight`` parameter, a :class:`QuantWeight`: a
-placeholder of one element seen through a stride-0 view of the weight's shape.
-It is what autograd gives the ``[out, in]`` weight gradient to and what an
-optimizer receives from ``model.parameters()``, so a training loop
-(``zero_grad``, gradient clipping, LR schedulers, ``param_groups``) works
-unchanged; its storage is a single value and it is not part of the state dict.
+The module's ``weight`` parameter is a :class:`QuantWeight`, a tensor subclass that
+carries the codes, the scales, the width and the rounding seed (``layer.codes`` and
+``layer.scale`` read its). Autograd gives it the ``[out, in]`` weight gradient (a plain
+tensor of the weight's dtype) and an optimizer receives it from ``model.parameters()``,
+so a training loop (``zero_grad``, gradient clipping, LR schedulers, ``param_groups``)
+works unchanged, and so do ``.to()``, ``deepcopy``, ``torch.save(model)`` and FSDP2's
+``fully_shard``. The state dict holds the codes and scales as plain tensors.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Dict, Optional, Tuple
 
@@ -28,7 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from frugal_kernels import _quant, ops
+from frugal_kernels._layout import row_chunk
 from frugal_kernels.nn import _ddp
+from frugal_kernels.nn.quant_weight import QuantWeight
 
 __all__ = ["QuantLinear", "QuantWeight"]
 
@@ -37,64 +39,6 @@ _SCALES = ("tensor", "row")
 # beside the inputs, and large enough that the GEMM runs at its full speed.
 _BLOCK_VALUES = 1 << 20
 _FORMAT = 1  # of the module's extra state
-
-
-class QuantWeight(nn.Parameter):
-    """The gradient carrier of a :class:`QuantLinear`'s weight (see the module docstring).
-
-    Its values are not the weight: read :meth:`QuantLinear.dequantize` for that.
-    ``codes``, ``scale``, ``bits`` and ``seed`` are those of its module."""
-
-    def __new__(cls, data: Tensor, module: "QuantLinear"):
-        weight = super().__new__(cls, data, requires_grad=True)
-        # A strong reference (a cycle the garbage collector breaks): an optimizer
-        # holding the weight keeps the layer whose codes it updates.
-        weight.module = module
-        return weight
-
-    @property
-    def codes(self) -> Tensor:
-        return self.module.codes
-
-    @property
-    def scale(self) -> Tensor:
-        return self.module.scale
-
-    @property
-    def bits(self) -> int:
-        return self.module.bits
-
-    @property
-    def seed(self) -> int:
-        return self.module.seed
-
-    @property
-    def shard(self):
-        """The module's :class:`frugal_kernels.nn.sharded.RowShard` (None unless
-        :func:`frugal_kernels.nn.shard_quantized_` split its rows over ranks)."""
-        return self.module.shard
-
-    @property
-    def index_offset(self) -> int:
-        """The global index of the first element of the module's codes: 0, unless
-        :func:`frugal_kernels.nn.shard_quantized_` gave the module a block of rows
-        (the rounding keys each element by its index in the whole weight)."""
-        return self.module.first_row * self.module.in_features
-
-    def __deepcopy__(self, memo):
-        raise TypeError("a QuantWeight is copied with its QuantLinear (copy.deepcopy(module))")
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("a QuantWeight is not saved on its own: save its QuantLinear's "
-                        "state_dict() (the codes and scales)")
-
-    def __repr__(self) -> str:
-        return (f"QuantWeight(shape={tuple(self.shape)}, bits={self.bits}, "
-                f"grad dtype={self.dtype})")
-
-
-def _placeholder(rows: int, cols: int, dtype: torch.dtype, device) -> Tensor:
-    return torch.zeros(1, dtype=dtype, device=device).expand(rows, cols)
 
 
 def _fused_backend(device: torch.device) -> Optional[str]:
@@ -164,8 +108,9 @@ def grad_weight(g2: Tensor, x2: Tensor, dtype: torch.dtype) -> Tensor:
 class _QuantLinearFunction(torch.autograd.Function):
     """``x @ W.T + b`` with ``W`` read from its codes: on a GPU by the fused
     dequantize-matmul (``ops.quant_matmul``, forward and input gradient), elsewhere
-    dequantized a block of rows at a time; the gradient of the placeholder
-    ``weight`` is the weight's, in the placeholder's dtype."""
+    dequantized a block of rows at a time; the gradient of ``weight`` (its
+    QuantWeight, whose codes and scales are passed beside it) is a plain tensor of
+    its dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, codes: Tensor, scale: Tensor,
@@ -251,7 +196,8 @@ class QuantLinear(nn.Module):
     Inputs may be float32, bfloat16 or float16; the weight is dequantized to
     the input's dtype. ``state_dict()`` holds ``codes`` (uint8), ``scale``
     (float32), ``bias`` and an extra state with the format, ``bits`` and
-    ``seed``; it loads back bit-exactly.
+    ``seed``; it loads back bit-exactly. ``.to(dtype)`` changes the dtype of
+    the bias and of the weight's gradient; the scales stay fp32.
     """
 
     # Set by frugal_kernels.nn.shard_quantized_, which keeps a block of the rows.
@@ -277,21 +223,38 @@ class QuantLinear(nn.Module):
             raise TypeError(f"QuantLinear: dtype must be torch.float32, torch.bfloat16 or "
                             f"torch.float16, got {dtype}")
         self.in_features, self.out_features = in_features, out_features
-        self.bits, self.scale_mode, self.seed = bits, scale, seed % (1 << 32)
-        self.scale_init = scale_init
-        # The global row of the first row of `codes` (shard_quantized_ keeps a block).
-        self.first_row = 0
-        self.register_buffer("codes", torch.zeros(
-            _quant.packed_shape((out_features, in_features), bits), dtype=torch.uint8,
-            device=device))
-        self.register_buffer("scale", torch.ones(1 if scale == "tensor" else out_features,
-                                                 dtype=torch.float32, device=device))
-        self.weight = QuantWeight(_placeholder(out_features, in_features, dtype, device), self)
+        self.bits, self.scale_mode, self.scale_init = bits, scale, scale_init
+        codes = torch.zeros(_quant.packed_shape((out_features, in_features), bits),
+                            dtype=torch.uint8, device=device)
+        scales = torch.ones(1 if scale == "tensor" else out_features, dtype=torch.float32,
+                            device=device)
+        self.weight = nn.Parameter(QuantWeight(codes, scales, bits, in_features,
+                                               seed % (1 << 32), dtype,
+                                               row_scale=scale == "row"))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) \
             if bias else None
         self.reset_parameters()
 
     # ---------------------------------------------------------------- weights
+
+    @property
+    def codes(self) -> Tensor:
+        """The packed codes of the weight (this rank's rows under FSDP2)."""
+        return _local(self.weight).codes
+
+    @property
+    def scale(self) -> Tensor:
+        """The fp32 scales of the weight (this rank's rows of row scales under FSDP2)."""
+        return _local(self.weight).scale
+
+    @property
+    def seed(self) -> int:
+        """The seed of the stochastic rounding of the weight's updates."""
+        return _local(self.weight).seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        _local(self.weight).seed = value
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation, quantized (see :meth:`quantize_from`)."""
@@ -354,7 +317,8 @@ class QuantLinear(nn.Module):
     # ---------------------------------------------------------------- forward
 
     def forward(self, x: Tensor) -> Tensor:
-        return _QuantLinearFunction.apply(x, self.weight, self.codes, self.scale,
+        weight = self.weight
+        return _QuantLinearFunction.apply(x, weight, weight.codes, weight.scale,
                                           self._bias_for(x), self.bits)
 
     def _bias_for(self, x: Tensor) -> Optional[Tensor]:
@@ -370,30 +334,32 @@ class QuantLinear(nn.Module):
                 f"bias={self.bias is not None}, bits={self.bits}, scale={self.scale_mode!r}, "
                 f"scale_init={self.scale_init!r}")
 
-    # ------------------------------------------- the placeholder in module APIs
-
-    def _with_weight(self, stand_in, fn):
-        """Run ``fn`` with ``stand_in`` in the weight's place in ``_parameters``
-        (same key, so the parameters keep their order)."""
-        weight = self._parameters["weight"]
-        self._parameters["weight"] = stand_in
-        try:
-            return fn()
-        finally:
-            self._parameters["weight"] = weight
+    # ------------------------------------- the state dict: codes and scales
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # The placeholder's value is not the weight: the codes and scales are.
-        self._with_weight(None, lambda: super(QuantLinear, self)._save_to_state_dict(
-            destination, prefix, keep_vars))
+        # The weight is saved as its codes and scales, plain tensors (a checkpoint that
+        # torch.load(weights_only=True) reads), in the order of the format's first
+        # release: bias, codes, scale, extra state.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        del destination[prefix + "weight"]
+        extra = destination.pop(prefix + "_extra_state")
+        for name, value in self._weight_tensors().items():
+            destination[prefix + name] = value if keep_vars else value.detach()
+        destination[prefix + "_extra_state"] = extra
+
+    def _weight_tensors(self) -> Dict[str, Tensor]:
+        """The codes and scales as the state dict holds them: under FSDP2 in the global
+        form (as FSDP2's parameters are), DTensors of the whole weight's rows whose block
+        on each rank is its rows (a per-tensor scale, the same on every rank, plain)."""
+        weight = self.weight
+        if isinstance(weight, QuantWeight):
+            return {"codes": weight.codes, "scale": weight.scale}
+        local = weight.to_local()
+        return {"codes": _as_rows_of(weight, local.codes),
+                "scale": _as_rows_of(weight, local.scale) if local.row_scale else local.scale}
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        codes = state_dict.get(prefix + "codes")
-        if codes is not None and codes.dtype != torch.uint8:
-            error_msgs.append(f"{prefix}codes: packed codes are torch.uint8, the checkpoint's "
-                              f"are {codes.dtype}")
-            return
         extra = state_dict.get(prefix + "_extra_state")
         if isinstance(extra, dict) and (extra.get("bits"), extra.get("scale")) != \
                 (self.bits, self.scale_mode):
@@ -407,9 +373,42 @@ class QuantLinear(nn.Module):
             error_msgs.append(f"{prefix}weight: the checkpoint holds a float weight (an "
                               "nn.Linear's?); build this layer with QuantLinear.from_linear")
             return
-        self._with_weight(None, lambda: super(QuantLinear, self)._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-            error_msgs))
+        loads = {}
+        for name, mine in (("codes", self.codes), ("scale", self.scale)):
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if not isinstance(value, Tensor):
+                error_msgs.append(f"{key}: expected a tensor, got {type(value).__name__}")
+                return
+            if not isinstance(self.weight, QuantWeight) and (name == "codes" or
+                                                            self.scale_mode == "row"):
+                value = _own_rows(self.weight, value)
+            if value.dtype != mine.dtype:
+                error_msgs.append(f"{key}: {'packed codes are torch.uint8' if name == 'codes' else 'scales are torch.float32'}, "
+                                  f"the checkpoint's are {value.dtype}")
+                return
+            if value.shape != mine.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(value.shape)} from checkpoint, the shape in current "
+                                  f"model is {tuple(mine.shape)}")
+                return
+            loads[name] = value
+        # Nothing of this layer changes before its codes and scales are known to fit.
+        # The weight's own key is never in the state dict (its codes and scales are).
+        missing = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        missing_keys[missing:] = [k for k in missing_keys[missing:] if k != prefix + "weight"]
+        if strict:  # torch counts the keys of no parameter or buffer as unexpected
+            mine = {prefix + name for name in loads}
+            unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
+        with torch.no_grad():
+            for name, value in loads.items():
+                getattr(self, name).copy_(value)
+
 
     def get_extra_state(self) -> dict:
         return {"format": _FORMAT, "bits": self.bits, "seed": self.seed,
@@ -424,34 +423,39 @@ class QuantLinear(nn.Module):
                              f"scale={self.scale_mode!r}")
         self.seed = int(state["seed"])
 
-    def _apply(self, fn, recurse=True):
-        # Module._apply would materialise the stride-0 placeholder (a full float
-        # weight) and turn the fp32 scales into the new dtype: convert a
-        # one-element stand-in instead, then view it as the weight's shape again.
-        weight = self._parameters["weight"]
-        stand_in = nn.Parameter(weight.detach()[:1, :1].clone())
-        self._with_weight(stand_in, lambda: super(QuantLinear, self)._apply(fn, recurse))
-        new = stand_in.detach().reshape(1)
-        weight.data = new.expand(weight.shape)
-        if weight.grad is not None:
-            weight.grad = fn(weight.grad)
-        if self.scale.dtype != torch.float32:
-            self.scale = self.scale.float()
-        return self
 
-    def __deepcopy__(self, memo):
-        new = QuantLinear.__new__(QuantLinear)
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if key == "_parameters":
-                continue
-            new.__dict__[key] = copy.deepcopy(value, memo)
-        params = {}
-        for key, p in self._parameters.items():
-            if key == "weight":
-                params[key] = QuantWeight(_placeholder(self.out_features, self.in_features,
-                                                       p.dtype, p.device), new)
-            else:
-                params[key] = copy.deepcopy(p, memo)
-        new.__dict__["_parameters"] = params
-        return new
+def _as_rows_of(weight: Tensor, block: Tensor) -> Tensor:
+    """``block`` (this rank's rows of a tensor whose rows are the weight's) as the
+    DTensor of all the rows, split as the DTensor ``weight``. No communication."""
+    from torch.distributed.tensor import DTensor
+
+    shape = (weight.shape[0], *block.shape[1:])
+    stride = (block.shape[1], 1) if block.dim() == 2 else (1,)
+    return DTensor.from_local(block, weight.device_mesh, weight.placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _own_rows(weight: Tensor, value: Tensor) -> Tensor:
+    """This rank's rows, as the DTensor ``weight`` splits them, of ``value``: a DTensor
+    split the same way (its block), another DTensor (gathered whole first: a
+    collective) or a plain tensor of all the rows (a one-process checkpoint)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(value, DTensor):
+        if value.device_mesh == weight.device_mesh and value.placements == weight.placements:
+            return value.to_local()
+        value = value.full_tensor()
+    if value.dim() == 0 or value.shape[0] != weight.shape[0]:
+        return value  # the shape check names the mismatch
+    offset, size = 0, value.shape[0]
+    for dim, placement in enumerate(weight.placements):
+        if isinstance(placement, Shard):
+            offset, size = row_chunk(value.shape[0], weight.device_mesh.size(dim),
+                                     weight.device_mesh.get_local_rank(dim))
+    return value.narrow(0, offset, size)
+
+
+def _local(weight: Tensor) -> QuantWeight:
+    """The QuantWeight of a layer's weight: itself, or under FSDP2 (a DTensor between
+    the passes) this rank's block of rows."""
+    return weight if isinstance(weight, QuantWeight) else weight.to_local()

@@ -37,9 +37,13 @@ def quantize_(model: nn.Module, bits: int = 4, skip: Union[str, Iterable[str]] =
         seed: the layers' rounding seeds are ``seed``, ``seed + 1``, ... in
             module order, so no two layers share their random numbers.
 
-    A weight shared between layers (tied embeddings and head) cannot be
-    quantized for one of them only: such a layer raises a ValueError unless
-    skipped, and nothing is replaced then.
+    A layer registered under several names (a shared block) becomes one
+    QuantLinear registered under all of them, and each of its names is returned; it
+    is skipped only if every name is. A weight shared between layers (tied
+    embeddings and head) cannot be quantized for one of them only: such a layer
+    raises a ValueError unless skipped. Every new layer is built before any is put
+    in place, so a call that raises (that, or a non-finite weight) leaves the model
+    as it was.
     """
     _quant.check_bits(bits, "quantize_")
     _quant.check_scale_init(scale_init, "quantize_")
@@ -54,19 +58,27 @@ def quantize_(model: nn.Module, bits: int = 4, skip: Union[str, Iterable[str]] =
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(id(module))
+    # Every name of every Linear: a module registered twice appears under both.
+    names = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if type(module) is nn.Linear:
+            names.setdefault(id(module), (module, []))[1].append(name)
     chosen = []
-    for name, module in model.named_modules():
-        if type(module) is nn.Linear and not _matches(name, patterns):
-            if len(owners[id(module.weight)]) > 1:
-                raise ValueError(f"quantize_: {name}'s weight is shared with another module "
-                                 "(tied weights); skip it or untie it")
-            chosen.append((name, module))
+    for module, its_names in names.values():
+        if all(_matches(name, patterns) for name in its_names):
+            continue
+        if len(owners[id(module.weight)]) > 1:
+            raise ValueError(f"quantize_: {its_names[0]}'s weight is shared with another "
+                             "module (tied weights); skip it or untie it")
+        chosen.append((module, its_names))
+    new = [QuantLinear.from_linear(linear, bits=bits, scale=scale, dtype=dtype, seed=seed + k,
+                                   scale_init=scale_init)
+           for k, (linear, _) in enumerate(chosen)]
     replaced = []
-    for k, (name, linear) in enumerate(chosen):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantLinear.from_linear(linear, bits=bits, scale=scale,
-                                                       dtype=dtype, seed=seed + k,
-                                                       scale_init=scale_init))
-        replaced.append(name)
+    for layer, (_, its_names) in zip(new, chosen):
+        for name in its_names:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, layer)
+            replaced.append(name)
     return replaced

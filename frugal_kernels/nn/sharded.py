@@ -1,24 +1,23 @@
-"""``shard_quantized_``: the rows of every :class:`QuantLinear` split over a device mesh,
-beside FSDP2.
+"""``shard_quantized_`` (deprecated): the rows of every :class:`QuantLinear` split over a
+device mesh, beside FSDP2.
 
-FSDP2's ``fully_shard`` shards float parameters; a QuantLinear's weight is not one (its
-values are the packed integer ``codes`` and the ``scale`` buffers, its ``weight`` a
-placeholder that only carries the gradient). :func:`shard_quantized_` shards it the way
-FSDP2 shards a parameter, by rows in ``torch.chunk``'s split (``ceil(rows / ranks)``
-rows per rank, the last ranks fewer or none):
+Deprecated: FSDP2's ``fully_shard`` now shards a QuantLinear's weight itself (a
+:class:`~frugal_kernels.nn.QuantWeight`, whose all-gather hooks exchange its packed
+codes); this recipe stays for one release. :func:`shard_quantized_` shards the weight
+the way FSDP2 shards a parameter, by rows in ``torch.chunk``'s split
+(``ceil(rows / ranks)`` rows per rank, the last ranks fewer or none):
 
 - each rank keeps its block of rows of the codes (and of the scales with
-  ``scale="row"``; one scale per tensor is kept whole), and its ``weight``
-  placeholder takes the block's shape, so that its gradient, and the DQT state
-  made for it, covers the rank's rows only;
+  ``scale="row"``; one scale per tensor is kept whole): its ``weight`` is that block,
+  so that its gradient, and the DQT state made for it, covers the rank's rows only;
 - forward and backward all-gather the codes (and row scales) of the whole weight,
   which are dropped again when the pass is done (FSDP2's default, reshard after
   forward);
 - backward reduce-scatters the weight's gradient: each rank gets the mean over the
   ranks of its rows, as FSDP2 averages its parameters' gradients;
 - :class:`frugal_kernels.DQT` steps the block, and its stochastic rounding keys
-  every element by its index in the whole weight (``QuantWeight.index_offset``):
-  a row rounds as it would in one process.
+  every element by its index in the whole weight (the ``shard`` attribute the weight
+  carries): a row rounds as it would in one process.
 
 The weights it returns go to ``fully_shard(..., ignored_params=...)``; FSDP2 shards
 the rest of the model (biases included) as usual. ``state_dict()`` gives the codes
@@ -30,6 +29,7 @@ the whole weight (a one-process checkpoint).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -39,8 +39,8 @@ from torch import Tensor, nn
 
 from frugal_kernels import ops
 from frugal_kernels._layout import row_chunk
-from frugal_kernels.nn.quant_linear import (QuantLinear, QuantWeight, _placeholder, grad_input,
-                                            grad_weight, linear_forward)
+from frugal_kernels.nn.quant_linear import (QuantLinear, QuantWeight, grad_input, grad_weight,
+                                            linear_forward)
 
 __all__ = ["RowShard", "ShardedQuantLinear", "shard_quantized_"]
 
@@ -159,7 +159,7 @@ class ShardedQuantLinear(QuantLinear):
     """A :class:`QuantLinear` that holds one block of its rows (see the module
     docstring); made by :func:`shard_quantized_`, which turns a QuantLinear into one
     in place. ``out_features`` stays the whole layer's; ``codes``, the ``scale`` of
-    ``scale="row"`` and the ``weight`` placeholder have ``shard.size`` rows."""
+    ``scale="row"`` and the ``weight`` have ``shard.size`` rows."""
 
     shard: RowShard
 
@@ -203,11 +203,21 @@ class ShardedQuantLinear(QuantLinear):
         raise TypeError("a ShardedQuantLinear holds one rank's rows: copy the model before "
                         "shard_quantized_, or save and load its state dict")
 
+    def _apply(self, fn, recurse=True):
+        # Module._apply swaps a converted weight in (its attributes with it): the new one
+        # is told its rows again.
+        super()._apply(fn, recurse)
+        self.weight.shard = self.shard
+        return self
+
 
 def shard_quantized_(model: nn.Module, mesh) -> List[QuantWeight]:
     """Split the rows of every :class:`QuantLinear` of ``model`` over ``mesh``, in place
     (each becomes a :class:`ShardedQuantLinear`; see the module docstring), and return
-    their ``weight`` placeholders, for ``fully_shard(..., ignored_params=set(...))``.
+    their weights, for ``fully_shard(..., ignored_params=set(...))``.
+
+    Deprecated (a ``DeprecationWarning``; removed in the next release): call
+    ``fully_shard`` alone, which shards the QuantWeights itself.
 
     ``mesh`` is a 1-D ``DeviceMesh`` (FSDP2's data-parallel mesh); every rank calls
     this with the same model. Build the optimizer afterwards, from the model's new
@@ -220,6 +230,9 @@ def shard_quantized_(model: nn.Module, mesh) -> List[QuantWeight]:
         fully_shard(model, mesh=mesh, ignored_params=set(weights))
         opt = frugal_kernels.DQT(model.parameters(), lr=1e-3)
     """
+    warnings.warn("frugal_kernels.nn.shard_quantized_ is deprecated and goes in the next "
+                  "release: fully_shard shards a QuantLinear's weight itself (drop "
+                  "shard_quantized_ and ignored_params)", DeprecationWarning, stacklevel=2)
     if getattr(mesh, "ndim", None) != 1:
         raise ValueError("shard_quantized_ takes a 1-D DeviceMesh (the ranks that shard the "
                          f"rows); got {mesh!r}")
@@ -234,16 +247,11 @@ def shard_quantized_(model: nn.Module, mesh) -> List[QuantWeight]:
         rows = module.out_features
         offset, size = row_chunk(rows, num_shards, shard_rank)
         old = module.weight
-        weight = QuantWeight(_placeholder(size, module.in_features, old.dtype, old.device),
-                             module)
-        weight.requires_grad_(old.requires_grad)
-        with torch.no_grad():
-            module.codes = module.codes.narrow(0, offset, size).clone()
-            if module.scale_mode == "row":
-                module.scale = module.scale.narrow(0, offset, size).clone()
+        block = old.narrow(0, offset, size).clone()
+        weight = nn.Parameter(block, requires_grad=old.requires_grad)
         module._parameters["weight"] = weight
         module.__class__ = ShardedQuantLinear
-        module.shard = RowShard(rows, offset, size, mesh, group, num_shards, shard_rank)
-        module.first_row = offset
+        module.shard = weight.shard = RowShard(rows, offset, size, mesh, group, num_shards,
+                                               shard_rank)
         weights.append(weight)
     return weights

@@ -23,11 +23,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from frugal_kernels import ops
 from frugal_kernels._layout import PARAM_DTYPES, first_overlap, on_device
 from frugal_kernels.optim import plan, sharding
-from frugal_kernels.optim.memory import storage_bytes
+from frugal_kernels.optim.memory import memory_of, storage_bytes
 from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
 from frugal_kernels.optim.sharding import ShardLayout
@@ -49,10 +50,10 @@ class FusedOptimizer(Optimizer):
     """Base of the optimizers whose step is a few fused op calls (see the module docstring)."""
 
     _step_supports_amp_scaling = True
-    # Parameter types whose tensor only carries the gradient, its values living
-    # elsewhere (DQT's QuantWeight: a stride-0 view of one element, the weight in
-    # its module's codes): exempt from the contiguity the in-place ops need.
-    _placeholder_types: Tuple[type, ...] = ()
+    # Tensor subclasses (other than DTensor) whose parameters this optimizer's rules
+    # update (DQT's QuantWeight, whose rules write its codes): any other subclass is
+    # refused when its group is added, since the fused ops write a tensor's own memory.
+    _subclass_params: Tuple[type, ...] = ()
     # Whether a rule of this optimizer draws random numbers (DQT's rounding): then each
     # bucket is given _rng_step() before its call.
     _draws_random_numbers = False
@@ -181,7 +182,7 @@ class FusedOptimizer(Optimizer):
         params = list(params)
         _check_new_params(params, gi, [(gj, i, p) for gj, g in enumerate(self.param_groups)
                                        for i, p in enumerate(g["params"])],
-                          self._placeholder_types)
+                          self._subclass_params)
         layouts = {p: layout for i, p in enumerate(params)
                    if (layout := sharding.layout_of(p, _param_name(gi, i, p))) is not None}
         self._check_group({**self.defaults, **param_group}, f"param group {gi}", True)
@@ -308,7 +309,7 @@ class FusedOptimizer(Optimizer):
         tensors with gradients, as (group index, index in the group, tensor), and
         their gradients (a DTensor's local block)."""
         key, with_grads, grads = [], [], []
-        strided, layouts, placeholders = torch.strided, self._layouts, self._placeholder_types
+        strided, layouts = torch.strided, self._layouts
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, f"param group {gi}")
             for i, p in enumerate(group["params"]):
@@ -319,8 +320,7 @@ class FusedOptimizer(Optimizer):
                 # The cheap test of every step; torch's grad setter and autograd already
                 # hold a gradient to its parameter's shape and device (its dtype too,
                 # unless p.grad_dtype was cleared).
-                if g.layout is not strided or g.dtype is not p.dtype or (
-                        not p.is_contiguous() and not isinstance(p, placeholders)):
+                if g.layout is not strided or g.dtype is not p.dtype or not p.is_contiguous():
                     _refuse_gradient(gi, i, p)
                 if layouts and p in layouts:
                     _check_sharded_gradient(gi, i, p)
@@ -435,8 +435,7 @@ class FusedOptimizer(Optimizer):
         """Update ``p`` with its gradient, complete now, as the ordinary step would."""
         gi, i = self._tensor_index[p]
         g = p.grad
-        if g.layout is not torch.strided or g.dtype is not p.dtype or (
-                not p.is_contiguous() and not isinstance(p, self._placeholder_types)):
+        if g.layout is not torch.strided or g.dtype is not p.dtype or not p.is_contiguous():
             _refuse_gradient(gi, i, p)
         # The ordinary step's check, which makes no temporary the size of the gradient (a
         # bool mask of each was seen to raise a LLaMA-20m step's high-water mark by 50 MB).
@@ -620,11 +619,12 @@ def _refuse_gradient(gi: int, i: int, p: Tensor) -> None:
 
 
 def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int, Tensor]],
-                      placeholders: Tuple[type, ...] = ()) -> None:
+                      subclasses: Tuple[type, ...] = ()) -> None:
     """Refuse what the fused ops cannot update in place: a parameter listed twice (here
     or in an earlier group), two parameters sharing memory, a non-contiguous parameter,
-    a parameter of a dtype the ops do not take.
-    Checked once, when the group is added, not at every step."""
+    a parameter of a dtype the ops do not take, a tensor subclass that holds no values of
+    its own, unless the optimizer's rules update it (``subclasses``). Checked once, when
+    the group is added, not at every step."""
     seen: Dict[int, str] = {id(p): _param_name(gj, i, p) for gj, i, p in existing}
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
@@ -634,20 +634,25 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
         if id(p) in seen:
             raise ValueError(f"{name} is the same tensor as {seen[id(p)]}: a parameter may "
                              "appear once in an optimizer (it would be updated twice)")
-        if not p.is_contiguous() and not isinstance(p, placeholders):
+        block = sharding.local(p)
+        if is_traceable_wrapper_subclass(block) and not isinstance(block, subclasses):
+            raise TypeError(f"{name} is a {type(block).__name__}, a tensor subclass with no "
+                            "values of its own to update in place (a QuantLinear's weight is "
+                            "packed codes: train it with frugal_kernels.DQT, or keep it out "
+                            "of this optimizer with requires_grad_(False))")
+        if not p.is_contiguous():
             raise ValueError(f"{name} is not contiguous: the fused ops update parameters in "
                              f"place and need them contiguous; {_CONTIGUOUS_ADVICE}")
-        if p.dtype not in PARAM_DTYPES and not isinstance(p, placeholders):
+        if p.dtype not in PARAM_DTYPES:
             # Refused here, not at the step: the op would refuse it after the step had
             # updated the tensors of other dtypes.
             raise TypeError(f"{name}: the fused ops update float32, bfloat16 and float16 "
                             "parameters")
         seen[id(p)] = name
-    # A DTensor's memory is its local block's.
-    clash = first_overlap([(sharding.local(p), True, _param_name(gj, i, p))
-                           for gj, i, p in existing]
-                          + [(sharding.local(p), True, _param_name(gi, i, p))
-                             for i, p in enumerate(params)])
+    clash = first_overlap([(t, True, _param_name(gj, i, p)) for gj, i, p in existing
+                           for t in memory_of(p)]
+                          + [(t, True, _param_name(gi, i, p)) for i, p in enumerate(params)
+                             for t in memory_of(p)])
     if clash is not None:
         raise ValueError(f"{clash[0]} shares memory with {clash[1]} (views of one tensor): "
                          "each would be updated with the other's gradient; pass separate "

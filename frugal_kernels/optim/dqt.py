@@ -34,6 +34,11 @@ QUANT_PROJECTIONS = ("blocks", "columns", "rows", "randk")
 SHARDED_PROJECTIONS = ("columns", "blocks")
 
 
+def _quantized(p: Tensor) -> bool:
+    """Whether ``p`` is a quantized weight (under FSDP2, a DTensor of QuantWeight blocks)."""
+    return isinstance(sharding.local(p), QuantWeight)
+
+
 class _StateFreeOnly(Projection):
     """No coordinate state-full: the state-free rule only, and no state."""
 
@@ -58,29 +63,29 @@ class QuantFamily(Projection):
 
     @staticmethod
     def _quantized(sub: Subspace) -> Subspace:
-        params = [p for p in sub.group["params"] if isinstance(p, QuantWeight)]
+        params = [p for p in sub.group["params"] if _quantized(p)]
         return dataclasses.replace(sub, group={**sub.group, "params": params})
 
     def choose(self, sub: Subspace) -> None:
         self.inner.choose(self._quantized(sub))
 
     def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
-        if not isinstance(p, QuantWeight):
+        if not _quantized(p):
             return DENSE.assign(sub, i, p)
         # The inner family sees the group's quantized weights alone (its records,
         # the active blocks, count among them).
-        j = sum(isinstance(q, QuantWeight) for q in sub.group["params"][:i])
+        j = sum(map(_quantized, sub.group["params"][:i]))
         inner = self.inner.assign(self._quantized(sub), j, p)
         rule = {"adamw": "dqt_adamw", "state_free": "dqt_state_free",
                 "subset": "dqt_subset"}[inner.rule]
         return Assignment(rule, subset_kind=inner.subset_kind, index_dtype=inner.index_dtype,
-                          bits=p.bits)
+                          bits=sharding.local(p).bits)
 
     def fits(self, saved: dict, p: Tensor) -> bool:
-        return (self.inner if isinstance(p, QuantWeight) else DENSE).fits(saved, p)
+        return (self.inner if _quantized(p) else DENSE).fits(saved, p)
 
     def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
-        if isinstance(p, QuantWeight):
+        if _quantized(p):
             return self.inner.check_saved(saved, p)
         if any(k in saved for k in self.state_keys):
             return f"{', '.join(k for k in self.state_keys if k in saved)} for a tensor that " \
@@ -141,11 +146,12 @@ class DQT(FRUGAL):
         backend, nonfinite: as for :class:`frugal_kernels.FRUGAL`.
 
     Under DDP every rank steps the whole weights with the averaged gradient and
-    writes the same codes. Under FSDP2, :func:`frugal_kernels.nn.shard_quantized_`
-    leaves each rank a block of every layer's rows: the state is kept for those rows
-    (saved as DTensors of the whole weight's rows), the rounding keys each element by
-    its index in the whole weight, and ``update="frugal"`` takes ``projection``
-    ``"columns"`` or ``"blocks"`` (the row-wise draws are refused).
+    writes the same codes. Under FSDP2 (``fully_shard``, or the deprecated
+    :func:`frugal_kernels.nn.shard_quantized_`) each rank holds a block of every
+    layer's rows: the state is kept for those rows (saved as DTensors of the whole
+    weight's rows), the rounding keys each element by its index in the whole weight,
+    and ``update="frugal"`` takes ``projection`` ``"columns"`` or ``"blocks"`` (the
+    row-wise draws are refused).
 
     The codes take ``bits / 8`` bytes per weight; the weight gradient has the
     dtype of the layer's ``dtype`` (bf16: 2 bytes per weight). Under
@@ -159,7 +165,7 @@ class DQT(FRUGAL):
                                  density=0.25, projection="columns")
     """
 
-    _placeholder_types = (QuantWeight,)
+    _subclass_params = (QuantWeight,)
     _draws_random_numbers = True
 
     def __init__(
@@ -205,9 +211,10 @@ class DQT(FRUGAL):
         params = [params] if isinstance(params, Tensor) else list(params)
         if self.bits is not None:
             for i, p in enumerate(params):
-                if isinstance(p, QuantWeight) and p.bits != self.bits:
+                if _quantized(p) and sharding.local(p).bits != self.bits:
                     raise ValueError(f"params[{i}] of param group {len(self.param_groups)} is "
-                                     f"a {p.bits}-bit QuantLinear weight, but DQT was given "
+                                     f"a {sharding.local(p).bits}-bit QuantLinear weight, but "
+                                     f"DQT was given "
                                      f"bits={self.bits}")
         group = {"update": self._update, **param_group, "params": params}
         super().add_param_group(group)
@@ -231,7 +238,10 @@ class DQT(FRUGAL):
                              "draws along the rows, which each rank holds in part")
 
     def _sharded_weights(self, params) -> list:
-        return [p for p in params if isinstance(p, QuantWeight) and p.shard is not None]
+        """The quantized weights whose rows are split over ranks: FSDP2's (DTensors) and
+        those of the deprecated shard_quantized_ (a row shard on the weight)."""
+        return [p for p in params if getattr(p, "shard", None) is not None or
+                _quantized(p) and sharding.is_sharded(p)]
 
     def _family(self, group: dict) -> Projection:
         if not group["projected"] or group["update"] == "adamw":
@@ -256,7 +266,7 @@ class DQT(FRUGAL):
         sd = super().state_dict()
         for pid, p in self._param_ids(sd):
             st = sd["state"].get(pid)
-            if p.shard is None or not st:
+            if getattr(p, "shard", None) is None or not st:
                 continue
             sd["state"][pid] = {key: p.shard.to_dtensor(value, (p.shard.rows, *value.shape[1:]))
                                 if key in ("exp_avg", "exp_avg_sq") else value
@@ -267,7 +277,7 @@ class DQT(FRUGAL):
         state = dict(state_dict["state"])
         for pid, p in self._param_ids(state_dict):
             st = state.get(pid)
-            if p.shard is None or not st:
+            if getattr(p, "shard", None) is None or not st:
                 continue
             state[pid] = {key: p.shard.block_of(value) if key in ("exp_avg", "exp_avg_sq")
                           else value for key, value in st.items()}
@@ -277,13 +287,13 @@ class DQT(FRUGAL):
         """(saved id, parameter) of the quantized weights, by position."""
         saved = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        return [(pid, p) for pid, p in zip(saved, params) if isinstance(p, QuantWeight)]
+        return [(pid, p) for pid, p in zip(saved, params) if _quantized(p)]
 
     def _shard_groups(self) -> list:
         # The ranks see their own rows of the split weights' gradients: they decide a
         # non-finite skip together, as for FSDP2's parameters.
-        shards = [p.shard for group in self.param_groups
-                  for p in self._sharded_weights(group["params"]) if p.shard.num_shards > 1]
+        shards = [p.shard for group in self.param_groups for p in group["params"]
+                  if getattr(p, "shard", None) is not None and p.shard.num_shards > 1]
         return sharding.process_groups([*self._layouts.values(), *shards])
 
     def _rng_step(self) -> int:

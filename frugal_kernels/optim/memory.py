@@ -8,11 +8,11 @@ import gc
 import re
 import resource
 import sys
-from typing import Iterable
+from typing import Iterable, List
 
 import torch
 
-__all__ = ["PeakMemory", "release_freed_memory", "storage_bytes"]
+__all__ = ["PeakMemory", "memory_of", "release_freed_memory", "storage_bytes"]
 
 
 def release_freed_memory() -> None:
@@ -43,15 +43,29 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``: views and aliases count once; a
-    DTensor counts its local block's storage (this rank's bytes)."""
+def memory_of(t: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors whose memory ``t`` is: a DTensor's local block, a wrapper subclass's
+    inner tensors (a QuantWeight's codes and scales: it owns no storage), else ``t``."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     from frugal_kernels.optim.sharding import local
 
+    block = local(t)
+    if is_traceable_wrapper_subclass(block):
+        names, _ = block.__tensor_flatten__()
+        return [inner for name in names for inner in memory_of(getattr(block, name))]
+    return [block]
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: views and aliases count once; a
+    DTensor counts its local block's storage (this rank's bytes), a QuantWeight its codes'
+    and scales'."""
     storages = {}
     for t in tensors:
-        storage = local(t).untyped_storage()
-        storages[(t.device, storage.data_ptr())] = storage.nbytes()
+        for block in memory_of(t):
+            storage = block.untyped_storage()
+            storages[(block.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -401,17 +401,17 @@ def _empty_subsets(bucket: Bucket):
     return bucket.cache["empty"]
 
 
-def _dqt_call(bucket: Bucket, grads, m, v, indices, kind: str, step, beta1: float, beta2: float,
-              eps: float, calls, backend, amp) -> None:
-    """One dqt_update_ over the bucket's quantized weights (their codes and scales are
-    their modules', read at each call: a module moved by ``.to()`` has new ones; the
-    runners' ``params`` are the placeholders, which the op does not touch)."""
-    group, params = bucket.group, bucket.params
+def _dqt_call(bucket: Bucket, params, grads, m, v, indices, kind: str, step, beta1: float,
+              beta2: float, eps: float, calls, backend, amp) -> None:
+    """One dqt_update_ over the bucket's quantized weights (``params``: QuantWeights, or
+    their local blocks of rows), which writes their codes."""
+    group = bucket.group
     rng_step = bucket.rng_step % (1 << 32)
-    # A block of a weight's rows (shard_quantized_) rounds as those rows of the whole
-    # weight do: its elements are keyed by their global index.
-    seeds = [_quant.shifted_seed(p.seed, rng_step, p.index_offset) if p.index_offset else p.seed
-             for p in params]
+    # A block of a weight's rows (FSDP2's, or shard_quantized_'s) rounds as those rows
+    # of the whole weight do: its elements are keyed by their global index.
+    seeds = [p.seed if not layout or not layout.offset else
+             _quant.shifted_seed(p.seed, rng_step, layout.offset * p.cols)
+             for p, layout in zip(params, _row_layouts(bucket))]
     calls.dqt_update_([p.codes for p in params], [p.scale for p in params], grads, m, v, indices,
                       bits=bucket.assignment.bits, kind=kind, seeds=seeds,
                       lr=bucket.lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -421,27 +421,36 @@ def _dqt_call(bucket: Bucket, grads, m, v, indices, kind: str, step, beta1: floa
                       check_indices=False, **amp)
 
 
+def _row_layouts(bucket: Bucket) -> list:
+    """Where each param's rows lie in the whole weight: a DTensor's layout, or the row
+    shard that the deprecated ``shard_quantized_`` gives its weights; None for a whole
+    weight."""
+    return [layout or getattr(p, "shard", None) for p, layout in zip(bucket.params,
+                                                                     bucket.layouts)]
+
+
 def _dqt_adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     beta1, beta2 = bucket.group["betas"]
     _, m, v, step = _moments(bucket)
     if "rows" not in bucket.cache:
         # AdamW on every coordinate is the FRUGAL split with every row state-full.
         bucket.cache["rows"] = [torch.arange(p.shape[0], dtype=torch.int32, device=p.device)
-                                for p in bucket.params]
-    _dqt_call(bucket, grads, m, v, bucket.cache["rows"], "rows", step, beta1, beta2,
+                                for p in params]
+    _dqt_call(bucket, params, grads, m, v, bucket.cache["rows"], "rows", step, beta1, beta2,
               bucket.group["eps"], calls, backend, amp)
 
 
 def _dqt_state_free(bucket: Bucket, params, grads, backend, calls,
                     amp) -> None:
     empty, zeros, one = _empty_subsets(bucket)
-    _dqt_call(bucket, grads, zeros, zeros, empty, "flat", one, 0.0, 0.0, 0.0, calls, backend, amp)
+    _dqt_call(bucket, params, grads, zeros, zeros, empty, "flat", one, 0.0, 0.0, 0.0, calls,
+              backend, amp)
 
 
 def _dqt_subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     beta1, beta2 = bucket.group["betas"]
     states, m, v, step = _moments(bucket)
-    _dqt_call(bucket, grads, m, v, [st["indices"] for st in states],
+    _dqt_call(bucket, params, grads, m, v, [st["indices"] for st in states],
               bucket.assignment.subset_kind, step, beta1, beta2, bucket.group["eps"], calls,
               backend, amp)
 

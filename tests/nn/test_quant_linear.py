@@ -29,11 +29,20 @@ def test_storage_is_the_packed_codes_and_the_scales(bits, scale):
     assert layer.codes.numel() <= 11 * (37 * bits + 7) // 8 + 11  # bits/8 per weight
     assert layer.scale.dtype == torch.float32 and layer.scale.numel() == (1 if scale == "tensor"
                                                                          else 11)
-    # The parameter only carries the gradient: one value of storage.
+    # The parameter holds the codes and scales, and no float values of its own.
     assert isinstance(layer.weight, QuantWeight) and layer.weight.shape == (11, 37)
-    assert layer.weight.untyped_storage().nbytes() == 4
+    assert _storages(layer.weight) == [layer.codes, layer.scale]
     codes = _quant.unpack(layer.codes, bits, 37)
     assert int(codes.abs().max()) <= _quant.qmax(bits)
+
+
+def _storages(t):
+    """The tensors whose memory ``t`` is: itself, or a QuantWeight's codes and scale (a
+    wrapper subclass owns no storage)."""
+    if isinstance(t, QuantWeight):
+        names, _ = t.__tensor_flatten__()
+        return [getattr(t, name) for name in names]
+    return [t]
 
 
 def _no_float_copy_of_the_weight(layer):
@@ -41,8 +50,9 @@ def _no_float_copy_of_the_weight(layer):
     n = layer.in_features * layer.out_features
     for name, t in list(layer.state_dict().items()) + list(layer.named_parameters()) + \
             list(layer.named_buffers()):
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            assert t.untyped_storage().nbytes() < n * t.element_size(), name
+        for s in _storages(t) if isinstance(t, torch.Tensor) else []:
+            if s.is_floating_point():
+                assert s.untyped_storage().nbytes() < n * s.element_size(), name
 
 
 @pytest.mark.parametrize("bits", _quant.QUANT_BITS)
@@ -185,7 +195,7 @@ def test_bf16_gradient_and_input():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert layer.weight.grad.dtype == torch.bfloat16
-    assert layer.weight.untyped_storage().nbytes() == 2
+    assert _storages(layer.weight) == [layer.codes, layer.scale]
     expected = x.float().t().mm(torch.ones(4, 11)).t()
     torch.testing.assert_close(layer.weight.grad.float(), expected, rtol=1e-2, atol=1e-2)
 
@@ -250,7 +260,7 @@ def test_to_keeps_the_placeholder_small_and_the_scales_fp32():
     weight = layer.weight
     layer.to(torch.bfloat16)
     assert layer.weight is weight  # an optimizer built before keeps its parameter
-    assert weight.dtype == torch.bfloat16 and weight.untyped_storage().nbytes() == 2
+    assert weight.dtype == torch.bfloat16 and _storages(weight) == [layer.codes, layer.scale]
     assert weight.grad.dtype == torch.bfloat16
     assert layer.scale.dtype == torch.float32 and layer.codes.dtype == torch.uint8
     assert layer.bias.dtype == torch.bfloat16
@@ -260,7 +270,7 @@ def test_to_keeps_the_placeholder_small_and_the_scales_fp32():
 def test_deepcopy_is_independent_and_small():
     layer = _layer()
     twin = copy.deepcopy(layer)
-    assert twin.weight.module is twin and twin.weight.untyped_storage().nbytes() == 4
+    assert _storages(twin.weight) == [twin.codes, twin.scale]
     assert torch.equal(twin.codes, layer.codes) and twin.codes.data_ptr() != layer.codes.data_ptr()
     x = torch.randn(3, 37)
     torch.testing.assert_close(twin(x), layer(x))
@@ -354,3 +364,104 @@ def test_quantize_passes_the_scale_init_on():
     layer = model.layers[0]["up"]
     assert layer.scale_init == "absmax"
     torch.testing.assert_close(layer.scale, before.abs().max(dim=1).values / _quant.qmax(4))
+
+
+# ------------------------------------------- the weight as a tensor subclass (issue 25)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_to_a_half_dtype_changes_the_bias_and_gradient_only(dtype):
+    """The scales stay fp32 bit for bit: rounded through 16 bits every weight moved by
+    about 0.3%, and under fp16 a small scale became 0 (a dead layer)."""
+    layer = _layer(scale="row")
+    with torch.no_grad():
+        layer.scale.mul_(1e-6)  # under fp16's smallest normal number (6e-5)
+    scale, codes, weight = layer.scale.clone(), layer.codes.clone(), layer.dequantize()
+    layer.to(dtype)
+    assert torch.equal(layer.scale, scale) and layer.scale.dtype == torch.float32
+    assert torch.equal(layer.codes, codes)
+    assert torch.equal(layer.dequantize(), weight)
+    assert layer.weight.dtype == dtype and layer.bias.dtype == dtype
+    layer(torch.randn(2, 37, dtype=dtype)).float().sum().backward()
+    assert layer.weight.grad.dtype == dtype
+    layer.float()
+    assert torch.equal(layer.scale, scale) and layer.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_deepcopy_keeps_requires_grad(requires_grad):
+    layer = _layer()
+    layer.weight.requires_grad_(requires_grad)
+    twin = copy.deepcopy(layer)
+    assert twin.weight.requires_grad is requires_grad
+    assert isinstance(twin.weight, nn.Parameter) and isinstance(twin.weight, QuantWeight)
+
+
+def test_torch_save_of_a_whole_model_loads_back():
+    model = nn.Sequential(_layer(bits=3, scale="row", seed=2), nn.Tanh(), nn.Linear(11, 2))
+    model[0].weight.requires_grad_(False)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(loaded[0].codes, model[0].codes)
+    assert torch.equal(loaded[0].scale, model[0].scale)
+    assert loaded[0].seed == model[0].seed and loaded[0].weight.requires_grad is False
+    x = torch.randn(4, 37)
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_state_dict_loads_with_weights_only():
+    layer = _layer(bits=2, scale="row", seed=3)
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    buf.seek(0)
+    other = _layer(bits=2, scale="row", seed=9)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert torch.equal(other.codes, layer.codes) and other.seed == layer.seed
+
+
+def test_reading_the_weight_dequantizes_and_writing_it_is_refused():
+    layer = _layer(scale="row")
+    w = layer.dequantize()
+    assert type(layer.weight * 2) is torch.Tensor
+    assert torch.equal(layer.weight.detach() * 2, w * 2)
+    x = torch.randn(3, 37)
+    torch.testing.assert_close(nn.functional.linear(x, layer.weight, layer.bias), layer(x))
+    (layer.weight * 3).sum().backward()  # autograd gives the weight its gradient
+    assert torch.equal(layer.weight.grad, torch.full((11, 37), 3.0))
+    codes = layer.codes.clone()
+    with torch.no_grad():
+        with pytest.raises(NotImplementedError, match="frugal_kernels.DQT"):
+            layer.weight.add_(1)
+        with pytest.raises(NotImplementedError, match="frugal_kernels.DQT"):
+            torch._foreach_mul_([layer.weight], 0.5)
+        with pytest.raises(TypeError, match="quantize_from"):
+            layer.weight.copy_(torch.zeros(11, 37))
+    assert torch.equal(layer.codes, codes)
+
+
+def test_quantize_keeps_a_layer_shared_under_several_names_shared():
+    """One Linear registered under two names used to be quantized under the first only,
+    the second name keeping the float layer (unshared)."""
+    model = _tiny_lm()
+    shared = nn.Linear(16, 16)
+    model.layers[0]["q"] = shared
+    model.layers[1]["q"] = shared
+    replaced = fk.quantize_(model)
+    assert model.layers[0]["q"] is model.layers[1]["q"]
+    assert isinstance(model.layers[1]["q"], QuantLinear)
+    assert {"layers.0.q", "layers.1.q"} <= set(replaced)
+    # One parameter for the optimizer, as before.
+    assert sum(isinstance(p, QuantWeight) for p in model.parameters()) == 5
+
+
+def test_quantize_that_fails_on_a_later_layer_changes_nothing():
+    model = _tiny_lm()
+    with torch.no_grad():
+        model.layers[1]["down"].weight[0, 0] = float("nan")
+    before = dict(model.named_modules())
+    with pytest.raises(ValueError, match="non-finite"):
+        fk.quantize_(model)
+    assert dict(model.named_modules()) == before
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())

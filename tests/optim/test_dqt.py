@@ -270,3 +270,34 @@ def test_float_parameters_take_adamw():
         opt.step()
         ref.step()
     torch.testing.assert_close(bias, twin, rtol=1e-6, atol=1e-7)
+
+
+def _quantized_blocks():
+    model = nn.Module()
+    torch.manual_seed(0)
+    model.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+    fk.quantize_(model, skip=())
+    return model
+
+
+def test_other_optimizers_refuse_a_quantized_weight_instead_of_training_nothing():
+    """BAdam and FRUGAL over a quantized model used to advise ``.contiguous()``, and
+    following the advice trained a float copy the layer never read (the codes never
+    changed). Now FRUGAL refuses the weight when it is given, and an optimizer that
+    reaches its values raises, naming DQT; the codes are never left stale silently."""
+    model = _quantized_blocks()
+    with pytest.raises(TypeError, match="frugal_kernels.DQT"):
+        fk.FRUGAL(model.parameters())
+    codes = [layer.codes.clone() for layer in model.layers]
+    for make in (lambda: fk.BAdam(model, switch_every=1),
+                 lambda: torch.optim.AdamW(model.parameters())):
+        with pytest.raises(NotImplementedError, match="frugal_kernels.DQT"):
+            opt = make()
+            model.layers[1](model.layers[0](torch.randn(2, 8))).sum().backward()
+            opt.step()
+        model.zero_grad()
+        assert all(torch.equal(c, layer.codes) for c, layer in zip(codes, model.layers))
+    # The weights kept out, FRUGAL trains the rest.
+    for layer in model.layers:
+        layer.weight.requires_grad_(False)
+    fk.FRUGAL([p for p in model.parameters() if p.requires_grad])
