@@ -186,6 +186,11 @@ def _with_grads(group: dict, params: Optional[List[Tensor]] = None) -> List[Tens
 
 # ------------------------------------------------------------------ Adam(W)
 
+def _capturing() -> bool:
+    """Whether a CUDA graph capture is under way on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _new_step(group: dict, p: Tensor) -> Tensor:
     """``state["step"]`` as torch creates it for this group."""
     if group.get("fused"):
@@ -208,6 +213,13 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     steps = [optimizer.state[p]["step"] for p in with_grads]
+    if steps and _capturing() and any(step.device.type == "cpu" for step in steps):
+        # The kernels read a host step count when they are launched: a captured step
+        # would replay with the bias correction of the step it was captured at.
+        raise RuntimeError(
+            f"{type(optimizer).__name__} keeps its step counts on the host, which a CUDA graph "
+            "capture would freeze at their value now; build it with fused=True (its counts "
+            "live on the GPU) to capture its swapped step, as torch asks of its own AdamW")
     if steps:
         torch._foreach_add_(steps, 1.0)
     for params in _adam_calls(optimizer, group, with_grads, whole=params is None):

@@ -115,11 +115,15 @@ def test_a_captured_steady_step_replays_as_the_eager_one(info):
 
 
 def test_a_swapped_adamw_replays_as_the_eager_one():
+    """fused=True: torch's AdamW keeps its step counts on the GPU then (without it they
+    live on the host, and the swapped step refuses the capture: tests/optim/test_swap.py).
+    The first GPU run (bench/results/gpu-check-h200.md) found the replay of an AdamW
+    without it 2e-4 off the eager step."""
     def build():
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen).cuda())
                   for s in [(24, 40), (40,), (7,)]]
-        return fk.swap(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)), params
+        return fk.swap(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)), params
 
     (eager, e_params), (captured, c_params) = build(), build()
     _replayed_equals_eager(eager, e_params, captured, c_params)

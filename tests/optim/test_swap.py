@@ -331,3 +331,22 @@ def test_unsupported_optimizers_and_params_raise():
 
 def test_exported_at_the_top():
     assert frugal_kernels.swap is swap and "swap" in frugal_kernels.__all__
+
+
+def test_a_capture_of_host_step_counts_is_refused_before_anything_changes(monkeypatch):
+    """A swapped AdamW whose step counts live on the host (no fused=True) cannot be
+    captured in a CUDA graph: the kernels read the count when launched, so a replay would
+    keep the bias correction of the captured step (seen on an H200: 2e-4 off the eager
+    step). The capture is emulated here; the GPU test captures for real."""
+    from frugal_kernels.optim import swap as swap_module
+
+    params = [torch.nn.Parameter(torch.randn(5, 3))]
+    opt = swap(torch.optim.AdamW(params, lr=1e-2))
+    params[0].grad = torch.randn(5, 3)
+    opt.step()
+    before = [params[0].detach().clone(), opt.state[params[0]]["step"].clone()]
+    monkeypatch.setattr(swap_module, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="fused=True"):
+        opt.step()
+    assert torch.equal(params[0].detach(), before[0])
+    assert torch.equal(opt.state[params[0]]["step"], before[1])
