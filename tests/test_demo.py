@@ -578,3 +578,86 @@ def test_log_sends_metrics_where_installed_and_says_so_where_not(kind, module, t
         monkeypatch.setenv("WANDB_MODE", "offline")
         assert main(argv) == 0
         assert any((tmp_path / "l" / kind).rglob("*"))
+
+
+def _summary_run(label, loss, held_mb, spread=0.01, budget_from=None, note=""):
+    return {"label": label, "budget_from": budget_from, "note": note,
+            "summary": {"final_val_loss": loss, "held_bytes": held_mb * 2**20},
+            "tuned": None if spread is None else {"spread": spread, "seeds": 2,
+                                                  "settings": {"seeds": [0, 1]}}}
+
+
+def test_recommendation_per_memory_budget_with_its_reason():
+    metrics = {"runs": {
+        "adamw": _summary_run("AdamW", 2.00, 12.0),
+        "galore": _summary_run("GaLore", 1.90, 10.0),     # best at AdamW's memory
+        "frugal": _summary_run("FRUGAL", 1.985, 8.0),      # fits 2/3
+        "small": _summary_run("Small", 1.99, 5.0),        # within the spread of FRUGAL, less
+        "badam": _summary_run("BAdam", 3.00, 3.5),        # the only one under 1/3
+        "gov": _summary_run("Gov", 1.0, 1.0, budget_from="frugal")}}
+    lines = demo._recommendations(metrics).splitlines()
+    assert lines[0] == "Recommendation per memory budget (held MB):"
+    assert lines[1] == ("- at most 12.0 MB held (AdamW's 12.0 MB): GaLore: the lowest loss of "
+                        "the 5 runs that fit (1.9000, -5.00% against AdamW), holding 10.0 MB.")
+    assert lines[2] == ("- at most 8.0 MB held (67% of AdamW's): Small: within the seed-to-seed "
+                        "spread of the lowest loss (FRUGAL, 1.9850) and holding less, 5.0 MB "
+                        "against 8.0.")
+    assert lines[3].startswith("- at most 4.0 MB held (33% of AdamW's): BAdam: the lowest loss "
+                               "of the 1 runs that fit")
+    assert len(lines) == 4  # the 50% budget's pick is the 67% one's: left out
+
+
+def test_rows_far_from_the_first_are_explained():
+    metrics = {"runs": {
+        "adamw": _summary_run("AdamW", 2.00, 12.0),
+        "badam": _summary_run("BAdam K=20", 2.98, 5.0, spread=0.15, note="a fine-tuning method"),
+        "near": _summary_run("Near", 2.005, 8.0, note="never shown: within the spread"),
+        "untuned": _summary_run("Untuned", 2.2, 8.0, spread=None, note="beyond 5%")}}
+    assert demo._explanations(metrics).splitlines() == [
+        "Why the rows far from the first are there:",
+        "- BAdam K=20 (+49.00%): a fine-tuning method.",
+        "- Untuned (+10.00%): beyond 5%."]
+
+
+def test_badam_row_says_it_is_a_fine_tuning_method_and_holds_its_peak_state(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(demo, "BADAM_SWITCH_EVERY", 2)
+    config = dataclasses.replace(TINY, steps=6, eval_every=3)
+    metrics = demo.run_demo(config, ["adamw", "badam"], out=tmp_path / "b", progress=False,
+                            tuned=False)
+    run = metrics["runs"]["badam"]
+    # The tiny preset's 2 layers, the embedding and the head: 4 blocks.
+    assert run["note"].startswith("BAdam is a fine-tuning method: it trains one block of 4 at "
+                                  "a time")
+    s = run["summary"]
+    assert s["max_state_bytes"] == max(st["state_bytes"] for st in run["steps"]) > 0
+    header, rows = demo._rows(metrics)
+    state = rows[1][header.index("state MB")]
+    assert state == f"{s['max_state_bytes'] / 2**20:.2f}"
+    assert "state MB: the most optimizer state held at once over the run" in demo.table(metrics)
+
+
+def test_plot_names_the_runs_lrs_has_a_time_panel_and_tells_lines_apart(tmp_path):
+    config = dataclasses.replace(TINY, steps=6, eval_every=2)
+    metrics = demo.run_demo(config, ["adamw", "adafrugal", "adafrugal+governor"],
+                            out=tmp_path / "p", progress=False, tuned=False)
+    # The lrs the runs used, not the config's (tuned lrs differ from it).
+    for run in metrics["runs"].values():
+        run["config"].update(lr=0.003, matrix_lr_ratio=0.25)
+    assert "lr 0.003 (matrices x0.25)" in demo._title(metrics)
+    fig = demo.figure(metrics)
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.axison}
+    time_ax = axes["validation loss against wall time"]
+    lines = {line.get_label(): line for line in time_ax.get_lines()}
+    for run in metrics["runs"].values():
+        assert list(lines[run["label"]].get_xdata()) == [e["time"] for e in run["evaluations"]]
+    ada, gov = (lines[metrics["runs"][n]["label"]] for n in ("adafrugal", "adafrugal+governor"))
+    assert (ada.get_linestyle(), ada.get_marker()) != (gov.get_linestyle(), gov.get_marker())
+    assert ada.get_linestyle() != gov.get_linestyle() and ada.get_marker() != gov.get_marker()
+    # T never changed in 6 steps: no T panel, the rho panel says the constant T.
+    assert not any(t.startswith("T:") for t in axes)
+    assert any(t.startswith("rho:") and t.endswith(f"T = {demo.UPDATE_GAP} throughout")
+               for t in axes)
+    steps = metrics["runs"]["adafrugal"]["steps"]
+    steps[-1]["update_gap"] = 2 * demo.UPDATE_GAP
+    assert any(ax.get_title().startswith("T:") for ax in demo.figure(metrics).axes)
