@@ -579,6 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # a bare `frugal-kernels`: what it can do, not a one-line error
+        print(parser.format_help(), file=sys.stderr, end="")
+        return 2
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -582,7 +582,8 @@ def test_log_sends_metrics_where_installed_and_says_so_where_not(kind, module, t
 
 def _summary_run(label, loss, held_mb, spread=0.01, budget_from=None, note=""):
     return {"label": label, "budget_from": budget_from, "note": note,
-            "summary": {"final_val_loss": loss, "held_bytes": held_mb * 2**20},
+            "summary": {"final_val_loss": loss, "held_bytes": held_mb * 2**20,
+                        "step_time": 0.05},
             "tuned": None if spread is None else {"spread": spread, "seeds": 2,
                                                   "settings": {"seeds": [0, 1]}}}
 
@@ -598,10 +599,11 @@ def test_recommendation_per_memory_budget_with_its_reason():
     lines = demo._recommendations(metrics).splitlines()
     assert lines[0] == "Recommendation per memory budget (held MB):"
     assert lines[1] == ("- at most 12.0 MB held (AdamW's 12.0 MB): GaLore: the lowest loss of "
-                        "the 5 runs that fit (1.9000, -5.00% against AdamW), holding 10.0 MB.")
+                        "the 5 runs that fit (1.9000, -5.00% against AdamW), holding 10.0 MB, "
+                        "50 ms/step.")
     assert lines[2] == ("- at most 8.0 MB held (67% of AdamW's): Small: within the seed-to-seed "
                         "spread of the lowest loss (FRUGAL, 1.9850) and holding less, 5.0 MB "
-                        "against 8.0.")
+                        "against 8.0, 50 ms/step.")
     assert lines[3].startswith("- at most 4.0 MB held (33% of AdamW's): BAdam: the lowest loss "
                                "of the 1 runs that fit")
     assert len(lines) == 4  # the 50% budget's pick is the 67% one's: left out
@@ -661,3 +663,11 @@ def test_plot_names_the_runs_lrs_has_a_time_panel_and_tells_lines_apart(tmp_path
     steps = metrics["runs"]["adafrugal"]["steps"]
     steps[-1]["update_gap"] = 2 * demo.UPDATE_GAP
     assert any(ax.get_title().startswith("T:") for ax in demo.figure(metrics).axes)
+
+
+def test_a_bare_command_lists_the_commands(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    for command in ("demo", "train", "sweep", "bench"):
+        assert command in err
+    assert err.startswith("usage: frugal-kernels")

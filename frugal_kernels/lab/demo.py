@@ -700,14 +700,15 @@ def _recommendations(metrics: dict[str, Any]) -> str:
         s = pick["summary"]
         where = (f"{first['label']}'s {_mb(base_held):.1f} MB" if fraction == 1.0
                  else f"{fraction:.0%} of {first['label']}'s")
+        speed = f", {s['step_time'] * 1e3:.0f} ms/step" if "step_time" in s else ""
         if pick is best:
             reason = (f"the lowest loss of the {len(fits)} runs that fit "
                       f"({s['final_val_loss']:.4f}, {s['final_val_loss'] / base_loss - 1:+.2%} "
-                      f"against {first['label']}), holding {_mb(s['held_bytes']):.1f} MB")
+                      f"against {first['label']}), holding {_mb(s['held_bytes']):.1f} MB{speed}")
         else:
             reason = (f"within the seed-to-seed spread of the lowest loss ({best['label']}, "
                       f"{best_loss:.4f}) and holding less, {_mb(s['held_bytes']):.1f} MB "
-                      f"against {_mb(best['summary']['held_bytes']):.1f}")
+                      f"against {_mb(best['summary']['held_bytes']):.1f}{speed}")
         lines.append(f"- at most {_mb(budget):.1f} MB held ({where}): {pick['label']}: "
                      f"{reason}.")
     if not lines:

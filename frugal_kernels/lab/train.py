@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -330,6 +331,7 @@ class _Logger:
             except ImportError:
                 raise ValueError("--log wandb needs the wandb package, which is not installed "
                                  "(pip install wandb)") from None
+            Path(folder).mkdir(parents=True, exist_ok=True)
             self._run = wandb.init(project="frugal-kernels", name=name, dir=str(folder),
                                    config=dataclasses.asdict(config))
         else:
