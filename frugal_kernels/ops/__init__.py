@@ -17,7 +17,9 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
 - :func:`dequantize` — packed INT-n codes back to the float weight (the read
   side of ``nn.QuantLinear``; out of place);
 - :func:`quant_matmul` — ``a @ W.T + bias`` (or ``a @ W``) with ``W`` read from its
-  packed INT-n codes inside the GEMM (``nn.QuantLinear`` on a GPU; out of place).
+  packed INT-n codes inside the GEMM (``nn.QuantLinear`` on a GPU; out of place);
+- :func:`grad_norm` — the global norm of a list of gradients and their non-finite
+  flag in one read (the optimizers' ``clip_grad_norm_`` and skip check; out of place).
 
 The registered operators are ``torch.ops.frugal.<op>``; the functions here
 accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
@@ -28,6 +30,7 @@ from frugal_kernels.ops.adamw import adamw_
 from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
+from frugal_kernels.ops.grad_norm import grad_norm
 from frugal_kernels.ops.lowrank_adamw_step import lowrank_adamw_step_
 from frugal_kernels.ops.lowrank_step import lowrank_step_
 from frugal_kernels.ops.quant_matmul import quant_matmul
@@ -35,6 +38,6 @@ from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
-           "dqt_update_", "dequantize", "quant_matmul",
+           "dqt_update_", "dequantize", "quant_matmul", "grad_norm",
            "BACKENDS", "CAPABILITIES",
            "resolve", "usable_backends"]
