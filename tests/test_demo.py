@@ -593,20 +593,24 @@ def test_recommendation_per_memory_budget_with_its_reason():
         "adamw": _summary_run("AdamW", 2.00, 12.0),
         "galore": _summary_run("GaLore", 1.90, 10.0),     # best at AdamW's memory
         "frugal": _summary_run("FRUGAL", 1.985, 8.0),      # fits 2/3
-        "small": _summary_run("Small", 1.99, 5.0),        # within the spread of FRUGAL, less
+        "quick": _summary_run("Quick", 1.99, 7.0),        # within the spread of FRUGAL, faster
+        "small": _summary_run("Small", 2.10, 5.0),        # beyond it: the pick at half
         "badam": _summary_run("BAdam", 3.00, 3.5),        # the only one under 1/3
         "gov": _summary_run("Gov", 1.0, 1.0, budget_from="frugal")}}
+    metrics["runs"]["quick"]["summary"]["step_time"] = 0.03
     lines = demo._recommendations(metrics).splitlines()
     assert lines[0] == "Recommendation per memory budget (held MB):"
     assert lines[1] == ("- at most 12.0 MB held (AdamW's 12.0 MB): GaLore: the lowest loss of "
-                        "the 5 runs that fit (1.9000, -5.00% against AdamW), holding 10.0 MB, "
+                        "the 6 runs that fit (1.9000, -5.00% against AdamW), holding 10.0 MB, "
                         "50 ms/step.")
-    assert lines[2] == ("- at most 8.0 MB held (67% of AdamW's): Small: within the seed-to-seed "
-                        "spread of the lowest loss (FRUGAL, 1.9850) and holding less, 5.0 MB "
-                        "against 8.0, 50 ms/step.")
-    assert lines[3].startswith("- at most 4.0 MB held (33% of AdamW's): BAdam: the lowest loss "
+    assert lines[2] == ("- at most 8.0 MB held (67% of AdamW's): Quick: within the seed-to-seed "
+                        "spread of the lowest loss (FRUGAL, 1.9850) and faster, 30 ms/step "
+                        "against 50, holding 7.0 MB.")
+    assert lines[3].startswith("- at most 6.0 MB held (50% of AdamW's): Small: the lowest loss "
+                               "of the 2 runs that fit (2.1000, +5.00% against AdamW)")
+    assert lines[4].startswith("- at most 4.0 MB held (33% of AdamW's): BAdam: the lowest loss "
                                "of the 1 runs that fit")
-    assert len(lines) == 4  # the 50% budget's pick is the 67% one's: left out
+    assert len(lines) == 5
 
 
 def test_rows_far_from_the_first_are_explained():
@@ -614,9 +618,10 @@ def test_rows_far_from_the_first_are_explained():
         "adamw": _summary_run("AdamW", 2.00, 12.0),
         "badam": _summary_run("BAdam K=20", 2.98, 5.0, spread=0.15, note="a fine-tuning method"),
         "near": _summary_run("Near", 2.005, 8.0, note="never shown: within the spread"),
-        "untuned": _summary_run("Untuned", 2.2, 8.0, spread=None, note="beyond 5%")}}
+        "untuned": _summary_run("Untuned", 2.2, 8.0, spread=None, note="beyond 5%"),
+        "ahead": _summary_run("Ahead", 1.5, 8.0, note="never shown: better")}}
     assert demo._explanations(metrics).splitlines() == [
-        "Why the rows far from the first are there:",
+        "Why the rows far behind AdamW are there:",
         "- BAdam K=20 (+49.00%): a fine-tuning method.",
         "- Untuned (+10.00%): beyond 5%."]
 
@@ -656,13 +661,15 @@ def test_plot_names_the_runs_lrs_has_a_time_panel_and_tells_lines_apart(tmp_path
     ada, gov = (lines[metrics["runs"][n]["label"]] for n in ("adafrugal", "adafrugal+governor"))
     assert (ada.get_linestyle(), ada.get_marker()) != (gov.get_linestyle(), gov.get_marker())
     assert ada.get_linestyle() != gov.get_linestyle() and ada.get_marker() != gov.get_marker()
-    # T never changed in 6 steps: no T panel, the rho panel says the constant T.
-    assert not any(t.startswith("T:") for t in axes)
-    assert any(t.startswith("rho:") and t.endswith(f"T = {demo.UPDATE_GAP} throughout")
-               for t in axes)
+    # Neither rho nor T changed in 6 steps: no flat panels, the title gives them.
+    assert not any(t.startswith(("T:", "rho:")) for t in axes)
+    assert fig._suptitle.get_text().endswith(
+        f"rho = 0.25 and T = {demo.UPDATE_GAP} throughout, in every run with a subspace")
     steps = metrics["runs"]["adafrugal"]["steps"]
     steps[-1]["update_gap"] = 2 * demo.UPDATE_GAP
-    assert any(ax.get_title().startswith("T:") for ax in demo.figure(metrics).axes)
+    steps[-1]["rho"] = 0.15
+    titles = [ax.get_title() for ax in demo.figure(metrics).axes]
+    assert any(t.startswith("T:") for t in titles) and any(t.startswith("rho:") for t in titles)
 
 
 def test_a_bare_command_lists_the_commands(capsys):

@@ -196,17 +196,20 @@ def _rho_reached(prefix: str) -> Callable[[dict[str, Any]], str]:
         rhos = [s["rho"] for s in run["steps"] if "rho" in s]
         if not rhos:
             return prefix
+        if min(rhos) == rhos[0]:  # the run ended before the first subspace change
+            return f"{prefix} rho {rhos[0]:.3g} (not lowered)"
         return f"{prefix} rho {rhos[0]:.3g}->{min(rhos):.3g}"
     return describe
 
 
 def _adafrugal_note(run: dict[str, Any]) -> str:
     rhos = [s["rho"] for s in run["steps"] if "rho" in s]
-    reached = f"{min(rhos):.3g}" if rhos else "its first value"
+    reached = min(rhos) if rhos else 0.25
     return (f"AdaFRUGAL's rho is scheduled from 0.25 to 0.05 over the run, but it changes only "
             f"when the subspace does (every T = {UPDATE_GAP} steps, T growing when the loss "
-            f"stalls), so it reached {reached}: less state than FRUGAL's 0.25 for the last "
-            "subspaces")
+            f"stalls), so it reached {reached:.3g}"
+            + (": less state than FRUGAL's 0.25 for the last subspaces" if reached < 0.25
+               else ", the same state as FRUGAL's"))
 
 
 def _badam_note(run: dict[str, Any]) -> str:
@@ -669,9 +672,9 @@ BUDGETS = (1.0, 2 / 3, 1 / 2, 1 / 3)
 def _recommendations(metrics: dict[str, Any]) -> str:
     """One line per memory budget (a fraction of what the first run holds in a step): the
     run to pick there and why. Among the finished runs that fit, the lowest final loss wins;
-    a run within the seed-to-seed spread of it that holds less memory wins instead, since
-    the two are not told apart by this run. A budget whose pick is the larger budget's is
-    left out (the pick already fits)."""
+    a faster run (median step time) within the seed-to-seed spread of it wins instead, since
+    this run does not tell their losses apart and both fit. A budget whose pick is the
+    larger budget's is left out (the pick already fits)."""
     runs = [run for run in metrics["runs"].values() if run["budget_from"] is None]
     if len(runs) < 2:
         return ""
@@ -693,7 +696,8 @@ def _recommendations(metrics: dict[str, Any]) -> str:
                 return run is best
             return run["summary"]["final_val_loss"] - best_loss <= max(spreads)
 
-        pick = min((r for r in fits if ties(r)), key=lambda r: r["summary"]["held_bytes"])
+        pick = min((r for r in fits if ties(r)),
+                   key=lambda r: (r["summary"].get("step_time", 0.0), r["summary"]["held_bytes"]))
         if pick is previous:
             continue
         previous = pick
@@ -707,8 +711,9 @@ def _recommendations(metrics: dict[str, Any]) -> str:
                       f"against {first['label']}), holding {_mb(s['held_bytes']):.1f} MB{speed}")
         else:
             reason = (f"within the seed-to-seed spread of the lowest loss ({best['label']}, "
-                      f"{best_loss:.4f}) and holding less, {_mb(s['held_bytes']):.1f} MB "
-                      f"against {_mb(best['summary']['held_bytes']):.1f}{speed}")
+                      f"{best_loss:.4f}) and faster, {s['step_time'] * 1e3:.0f} ms/step against "
+                      f"{best['summary']['step_time'] * 1e3:.0f}, holding "
+                      f"{_mb(s['held_bytes']):.1f} MB")
         lines.append(f"- at most {_mb(budget):.1f} MB held ({where}): {pick['label']}: "
                      f"{reason}.")
     if not lines:
@@ -721,17 +726,18 @@ FAR = 0.05
 
 
 def _explanations(metrics: dict[str, Any]) -> str:
-    """Why the rows far from the first run (beyond the spread, or FAR without one) are
-    where they are: each optimizer's note."""
-    base = next(iter(metrics["runs"].values()))["summary"]["final_val_loss"]
+    """Why the rows far behind the first run (worse beyond the spread, or by FAR without
+    one) are there: each optimizer's note. Rows ahead need no excuse; the recommendations
+    name them."""
+    first = next(iter(metrics["runs"].values()))
+    base = first["summary"]["final_val_loss"]
     lines = []
     for run, difference, spread in _compared(metrics):
-        far = abs(difference) > (spread if spread is not None else FAR * base)
-        if far and run.get("note"):
+        if difference > (spread if spread is not None else FAR * base) and run.get("note"):
             lines.append(f"- {run['label']} ({difference / base:+.2%}): {run['note']}.")
     if not lines:
         return ""
-    return "Why the rows far from the first are there:\n" + "\n".join(lines)
+    return f"Why the rows far behind {first['label']} are there:\n" + "\n".join(lines)
 
 
 _LINESTYLES = ("-", "--", "-.", ":")
@@ -751,8 +757,8 @@ def line_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 def figure(metrics: dict[str, Any]):
     """The plot's figure: validation loss against the step and against the wall time, the
-    memory held in a step, and, for the runs with a subspace, rho and T (the T panel only
-    when some run's T changed; else the rho panel's title gives the constant T)."""
+    memory held in a step, and, for the runs with a subspace, rho and T, each only when it
+    changed (a constant one is given in the title)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -760,10 +766,14 @@ def figure(metrics: dict[str, Any]):
     runs = metrics["runs"]
     styles = line_styles(list(runs))
     subspace = {name for name, run in runs.items() if _has_subspace(run)}
+    rhos = {s["rho"] for name in subspace for s in runs[name]["steps"]}
     gaps = {s["update_gap"] for name in subspace for s in runs[name]["steps"]
             if "update_gap" in s}
-    panels = ["loss", "time", "memory"] + (["rho"] if subspace else []) \
+    # A panel of one flat line says nothing: a constant rho or T goes into the title.
+    panels = ["loss", "time", "memory"] + (["rho"] if len(rhos) > 1 else []) \
         + (["gap"] if len(gaps) > 1 else [])
+    constants = [f"{symbol} = {next(iter(values)):g}" for symbol, values in
+                 (("rho", rhos), ("T", gaps)) if len(values) == 1]
     fig, grid = plt.subplots(2, 3, figsize=(16, 8))
     axes = dict(zip(panels, grid.flat))
     for unused in list(grid.flat)[len(panels):]:
@@ -782,7 +792,8 @@ def figure(metrics: dict[str, Any]):
         line = {"color": run["color"], "linestyle": style["linestyle"]}
         axes["memory"].plot(steps, [_mb(s["held_bytes"]) for s in run["steps"]], **line)
         if name in subspace:
-            axes["rho"].plot(steps, [s["rho"] for s in run["steps"]], **line)
+            if "rho" in axes:
+                axes["rho"].plot(steps, [s["rho"] for s in run["steps"]], **line)
             if "gap" in axes:
                 axes["gap"].plot(steps, [s["update_gap"] for s in run["steps"]], **line)
     for key in ("loss", "time"):
@@ -794,8 +805,7 @@ def figure(metrics: dict[str, Any]):
     axes["memory"].set(title="held in a step: weights + gradients + optimizer state",
                        xlabel="step", ylabel="MB")
     if "rho" in axes:
-        constant = (f"; T = {next(iter(gaps))} throughout" if len(gaps) == 1 else "")
-        axes["rho"].set(title=f"rho: state-full fraction of the projected weights{constant}",
+        axes["rho"].set(title="rho: state-full fraction of the projected weights",
                         xlabel="step", ylabel="rho")
     if "gap" in axes:
         axes["gap"].set(title="T: steps between subspace changes", xlabel="step", ylabel="T")
@@ -806,7 +816,8 @@ def figure(metrics: dict[str, Any]):
     handles, labels = axes["loss"].get_legend_handles_labels()
     columns = max(1, min(4, len(labels)))
     fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
-    fig.suptitle(_title(metrics))
+    fig.suptitle(_title(metrics) + (f"\n{' and '.join(constants)} throughout, in every run "
+                                     "with a subspace" if constants else ""))
     legend_rows = math.ceil(len(labels) / columns)
     fig.tight_layout(rect=(0, 0.025 * legend_rows + 0.01, 1, 1))
     return fig
