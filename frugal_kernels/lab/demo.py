@@ -774,7 +774,11 @@ def figure(metrics: dict[str, Any]):
         + (["gap"] if len(gaps) > 1 else [])
     constants = [f"{symbol} = {next(iter(values)):g}" for symbol, values in
                  (("rho", rhos), ("T", gaps)) if len(values) == 1]
-    fig, grid = plt.subplots(2, 3, figsize=(16, 8))
+    rows = 1 if len(panels) <= 3 else 2
+    legend_rows = math.ceil(len(runs) / max(1, min(4, len(runs))))
+    legend_height = 0.25 * legend_rows + 0.15  # inches below the panels
+    fig, grid = plt.subplots(rows, 3, figsize=(16, 4 * rows + 0.6 + legend_height),
+                             squeeze=False)
     axes = dict(zip(panels, grid.flat))
     for unused in list(grid.flat)[len(panels):]:
         unused.set_axis_off()
@@ -818,8 +822,7 @@ def figure(metrics: dict[str, Any]):
     fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
     fig.suptitle(_title(metrics) + (f"\n{' and '.join(constants)} throughout, in every run "
                                      "with a subspace" if constants else ""))
-    legend_rows = math.ceil(len(labels) / columns)
-    fig.tight_layout(rect=(0, 0.025 * legend_rows + 0.01, 1, 1))
+    fig.tight_layout(rect=(0, legend_height / fig.get_figheight(), 1, 1))
     return fig
 
 
