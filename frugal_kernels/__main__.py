@@ -37,6 +37,8 @@ _positive_float = _number(float, "a positive finite number",
                           lambda v: math.isfinite(v) and v > 0)
 _non_negative_float = _number(float, "a finite number >= 0",
                               lambda v: math.isfinite(v) and v >= 0)
+# The weights, the batches and the optimizers' generators take the seed; the narrowest, 32 bits.
+_seed = _number(int, "a seed: an integer in [0, 2**32)", lambda v: 0 <= v < 2**32)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,8 +69,53 @@ def _choice(names: List[str], what: str = "optimizer"):
 
 
 def _data_path(text: str) -> str:
-    if not text.startswith("hf:") and not Path(text).exists():
+    """A path that exists, or an hf: source when ``datasets`` is installed; what the path
+    holds is checked when it is read, still before any training (:func:`_load_data`)."""
+    if text.startswith("hf:"):
+        try:
+            import datasets  # noqa: F401  (only to know that it is there)
+        except ImportError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} needs the optional package datasets, which is not installed "
+                "(pip install datasets)")
+        return text
+    if not Path(text).expanduser().exists():
         raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    return text
+
+
+def _load_data(config):
+    """The corpus of ``config``, read and checked against its batches before any training:
+    an empty file, a folder without text files, /dev/null or too little text is a
+    CommandLineError."""
+    from frugal_kernels.lab.corpus import load_corpus
+    from frugal_kernels.lab.train import check_data
+
+    try:
+        data = load_corpus(config.data, max_bytes=config.max_bytes)
+        check_data(data, config)
+    except (ValueError, OSError, ImportError) as exc:
+        raise CommandLineError(f"--data: {exc}") from None
+    return data
+
+
+def _out(args: argparse.Namespace, command: str, **options):
+    """The output folder, made and checked writable before any training (a new one beside
+    an --out holding earlier results, unless --overwrite)."""
+    from frugal_kernels.lab.output import output_folder
+
+    try:
+        out, note = output_folder(args.out, command, args.overwrite, **options)
+    except ValueError as exc:
+        raise CommandLineError(str(exc)) from None
+    if note:
+        print(note, file=sys.stderr)
+    return out
+
+
+def _existing_file(text: str, option: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
     return text
 
 
@@ -159,6 +206,8 @@ def _demo(args: argparse.Namespace) -> int:
     from frugal_kernels.lab import demo
 
     config = _train_config(args, demo.DEFAULTS)
+    out = _out(args, "demo")
+    data = _load_data(config)
     names = demo.available(demo.resolve(args.optimizers))
     # --lr or --matrix-lr-ratio: every optimizer at the given lrs; else each at its tuned ones.
     tuned = args.lr is None and args.matrix_lr_ratio is None
@@ -167,7 +216,8 @@ def _demo(args: argparse.Namespace) -> int:
           f"{', '.join(demo.OPTIMIZERS[n].label for n in names)}"
           + (", each at its tuned lr (tuned.json)" if tuned else f", lr {config.lr:g} "
              f"(matrices x{config.matrix_lr_ratio:g})"))
-    metrics = demo.run_demo(config, names, out=args.out, progress=_progress(args), tuned=tuned)
+    metrics = demo.run_demo(config, names, out=out, progress=_progress(args), tuned=tuned,
+                            data=data, overwrite=True)
     print()
     print(demo.table(metrics))
     print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
@@ -218,6 +268,8 @@ def _parallel(args: argparse.Namespace) -> Optional[str]:
 def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    if args.resume is None and args.optimizer is None:
+        args.optimizer = "adafrugal"
     parallel = _parallel(args)
     try:
         return _train_run(args, parallel)
@@ -228,39 +280,54 @@ def _train(args: argparse.Namespace) -> int:
 
 def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
     from frugal_kernels.lab import demo
-    from frugal_kernels.lab.corpus import load_corpus
     from frugal_kernels.lab.train import TrainConfig, steps_for_budget
     import torch.distributed as dist
 
     # The first rank speaks for a parallel run.
     say = print if parallel is None or dist.get_rank() == 0 else (lambda *a, **k: None)
-    config = dataclasses.replace(_train_config(args, TrainConfig()), parallel=parallel)
+    resume = _resume(args, parallel)
+    if resume is not None:
+        config = TrainConfig(**{**resume["config"], "device": _device(args.device)})
+        args.optimizer = resume["optimizer_name"]
+    else:
+        config = dataclasses.replace(_train_config(args, TrainConfig()), parallel=parallel)
     if parallel is not None and config.batch_size % dist.get_world_size():
         raise CommandLineError(f"--batch-size {config.batch_size} (the global batch) does not "
                                f"split over {dist.get_world_size()} ranks")
-    if args.lr is None and args.matrix_lr_ratio is None:  # the demo's tuned lrs, if any
-        config = demo.run_config(config, args.optimizer)
-    data = load_corpus(config.data, max_bytes=config.max_bytes)
-    if args.flop_budget is not None:
+    if resume is None and args.lr is None and args.matrix_lr_ratio is None:
+        config = demo.run_config(config, args.optimizer)  # the demo's tuned lrs, if any
+    out = None
+    if parallel is None or dist.get_rank() == 0:
+        # Resuming writes into the checkpoint's folder unless told otherwise.
+        if resume is not None and args.out is None:
+            args.out, args.overwrite = Path(args.resume).parent, True
+        out = _out(args, "train", keep=("checkpoint.pt",) if resume is not None else ())
+    data = _load_data(config)
+    if resume is None and args.flop_budget is not None:
         governor = {k: v for k, v in (("window", args.governor_window),
                                       ("patience", args.governor_patience),
                                       ("min_improvement", args.governor_min_improvement))
                     if v is not None}
         config = dataclasses.replace(config, flop_budget=args.flop_budget, governor=governor)
+        try:  # a budget that does not pay for one step is refused, --steps or not
+            budget_steps = steps_for_budget(args.flop_budget, config, data.vocab_size)
+        except ValueError as exc:
+            raise CommandLineError(f"--flop-budget: {exc}") from None
         if args.steps is None:  # as long as the budget pays for
-            config = config.with_steps(steps_for_budget(args.flop_budget, config,
-                                                        data.vocab_size),
-                                       warmup_steps=args.warmup_steps, eval_every=args.eval_every)
+            config = config.with_steps(budget_steps, warmup_steps=args.warmup_steps,
+                                       eval_every=args.eval_every)
     say(f"frugal-kernels train: {demo.OPTIMIZERS[args.optimizer].label} on the {config.model} "
         f"model ({config.model_config(data.vocab_size).num_params():,} parameters), "
         f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
         f"{config.device}"
         + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else "")
-        + (f", {parallel.upper()} over {dist.get_world_size()} ranks" if parallel else ""))
+        + (f", {parallel.upper()} over {dist.get_world_size()} ranks" if parallel else "")
+        + (f", resumed from step {resume['step']}" if resume is not None else ""))
     try:
-        metrics = demo.run_train(config, args.optimizer, data=data, out=args.out,
-                                 progress=_progress(args), save_model=args.save_model)
-    except ValueError as exc:  # a peer whose package is missing
+        metrics = demo.run_train(config, args.optimizer, data=data, out=out,
+                                 progress=_progress(args), save_model=args.save_model,
+                                 overwrite=True, resume=resume, log=args.log)
+    except ValueError as exc:  # a peer whose package is missing, a logger not installed
         raise CommandLineError(str(exc)) from None
     run = metrics["runs"][args.optimizer]
     say()
@@ -275,24 +342,69 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
     return 0
 
 
+# Options that set up a run; a resumed run takes them all from its checkpoint.
+_RUN_OPTIONS = ("model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio",
+                "warmup_steps", "schedule", "eval_every", "eval_batches", "grad_clip",
+                "weight_decay", "seed", "data", "max_bytes", "flop_budget", "governor_window",
+                "governor_patience", "governor_min_improvement")
+
+
+def _resume(args: argparse.Namespace, parallel: Optional[str]):
+    """The checkpoint of --resume, read and checked before anything trains; None without
+    --resume."""
+    if args.resume is None:
+        return None
+    given = [f"--{o.replace('_', '-')}" for o in _RUN_OPTIONS if getattr(args, o) is not None]
+    given += ["--no-grad-clip"] if args.no_grad_clip else []
+    given += ["--optimizer"] if args.optimizer is not None else []
+    if given:
+        raise CommandLineError(f"--resume continues the checkpoint's run as it was set up; "
+                               f"drop {', '.join(given)}")
+    if parallel is not None:
+        raise CommandLineError("--resume runs in one process, not under torchrun")
+    from frugal_kernels.lab.train import load_checkpoint
+
+    try:
+        return load_checkpoint(args.resume)
+    except ValueError as exc:
+        raise CommandLineError(f"--resume: {exc}") from None
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from frugal_kernels.lab import demo, sweep
 
     config = _train_config(args, demo.DEFAULTS)
+    if args.write_tuned is not None:
+        _check_tuned_path(args.write_tuned)
+    out = _out(args, "sweep")
+    data = _load_data(config)
     print(f"frugal-kernels sweep: the {config.model} model, {config.steps} steps of "
           f"{config.batch_size}x{config.seq_len} tokens, on {config.device}: "
           f"{len(args.lrs)} lrs x {len(args.matrix_lr_ratios)} matrix lr ratios x "
           f"{len(args.seeds)} seeds for each of {', '.join(args.optimizers)}")
     try:
         result = sweep.run_sweep(config, args.optimizers, args.lrs, args.matrix_lr_ratios,
-                                 args.seeds, out=args.out, progress=_progress(args),
-                                 tuned=args.write_tuned)
+                                 args.seeds, out=out, progress=_progress(args),
+                                 tuned=args.write_tuned, data=data, overwrite=True)
     except ValueError as exc:  # a governed run named
         raise CommandLineError(str(exc)) from None
     print()
     print(sweep.table(result))
     print("wrote " + ", ".join(result["files"]))
     return 0
+
+
+def _check_tuned_path(path: Path) -> None:
+    """--write-tuned names a file that can be written (its folder exists), checked before the
+    sweep trains."""
+    path = Path(path)
+    if path.is_dir():
+        raise CommandLineError(f"--write-tuned {str(path)!r} is a folder, not a file")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK) \
+            or (path.exists() and not os.access(path, os.W_OK)):
+        raise CommandLineError(f"--write-tuned {str(path)!r} cannot be written (no writable "
+                               "folder there)")
 
 
 def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
@@ -334,7 +446,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
     add("--weight-decay", type=_non_negative_float,
         help=f"decoupled weight decay (default: {defaults.weight_decay:g})")
     if not swept:
-        add("--seed", type=int, help=f"seed of the initial weights and the batches (default: "
+        add("--seed", type=_seed, help=f"seed of the initial weights and the batches (default: "
                                      f"{defaults.seed})")
     add("--device", default="auto", type=_device_name,
         help="cpu, cuda, cuda:N or auto (default: a GPU if any)")
@@ -344,7 +456,11 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
                        "downloads)")
     add("--max-bytes", type=_positive_int,
         help=f"read at most this many bytes of data (default: {defaults.max_bytes:,})")
-    add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>)")
+    add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>); one "
+                                 "that holds results of an earlier run is left alone and a "
+                                 "new one beside it (<out>-2, ...) is used, unless --overwrite")
+    add("--overwrite", action="store_true",
+        help="replace the results of an earlier run in --out")
     add("--no-progress", action="store_true",
         help="no progress bars: one line per evaluation on stderr (the default off a terminal)")
     add("--quiet", action="store_true", help="no progress output, only the final table")
@@ -391,6 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
     trainable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
     train_parser.add_argument("--optimizer", default="adafrugal", type=_choice(trainable),
                               help="the optimizer (default: adafrugal)")
+    train_parser.add_argument("--resume", metavar="CHECKPOINT",
+                              type=lambda t: _existing_file(t, "--resume"),
+                              help="continue the run whose checkpoint.pt (written at every "
+                                   "evaluation) this is, exactly where it stopped, with its "
+                                   "settings; writes into the checkpoint's folder unless --out")
+    train_parser.add_argument("--log", choices=["tensorboard", "wandb"],
+                              help="also send the metrics to TensorBoard (event files in "
+                                   "<out>/tensorboard) or Weights & Biases (needs the package)")
     train_parser.add_argument("--flop-budget", type=_positive_float, metavar="F",
                               help="total FLOPs the run may spend (model and optimizer)")
     train_parser.add_argument("--governor-window",
@@ -428,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_parser.add_argument("--matrix-lr-ratio", nargs="+", type=_positive_float,
                               default=[1.0], metavar="R", dest="matrix_lr_ratios",
                               help="the matrices' lr over the lr (default: 1)")
-    sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1], metavar="S",
+    sweep_parser.add_argument("--seeds", nargs="+", type=_seed, default=[0, 1], metavar="S",
                               help="seeds of the initial weights and batches (default: 0 1)")
     from frugal_kernels.lab import tuned
 
@@ -493,7 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    if not (sys.argv[1:] if argv is None else argv):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
         # A bare `frugal-kernels`: what it can do, rather than "command is required".
         parser.print_help()
         return 0
@@ -504,6 +629,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{parser.prog} {args.command}: error: {exc} (see {parser.prog} {args.command} "
               "--help)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        # Ctrl-C: what finished is written (the message says where), no traceback; 130 is
+        # the shell's status for a process stopped by SIGINT.
+        message = getattr(exc, "message", "") or "nothing written"
+        print(f"\n{parser.prog} {args.command}: interrupted: {message}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

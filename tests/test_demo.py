@@ -72,6 +72,11 @@ def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
     assert state["frugal"] < state["adamw"] / 2
     assert state["adafrugal"] < state["frugal"]
     assert runs["adafrugal"]["steps"][-1]["rho"] < runs["frugal"]["steps"][-1]["rho"] == 0.25
+    # The label says the rho the run reached: it changes only with the subspace (steps 4 and
+    # 8 here), so 0.09, above the schedule's 0.05.
+    reached = min(s["rho"] for s in runs["adafrugal"]["steps"])
+    assert reached == pytest.approx(0.09)
+    assert runs["adafrugal"]["label"] == "AdaFRUGAL rho 0.25->0.09"
 
     # The frugal row stepped in backward: the same training, one gradient alive at a time.
     frugal, inbwd = runs["frugal"]["summary"], runs["frugal+inbwd"]["summary"]
@@ -290,7 +295,7 @@ def test_run_train_writes_one_run_and_refuses_a_governed_entry(tmp_path, corpus)
     assert metrics["runs"]["frugal"]["summary"]["steps"] == TINY.steps
     assert sorted(metrics["files"]) == sorted(str(tmp_path / "t" / f)
                                               for f in ("metrics.json", "table.md", "table.csv",
-                                                        "train.png", "model.pt"))
+                                                        "train.png", "checkpoint.pt", "model.pt"))
     with pytest.raises(ValueError, match="takes its budget from the 'adafrugal' run"):
         demo.run_train(TINY, "adafrugal+governor", data=corpus, out=tmp_path / "g")
 
@@ -389,3 +394,279 @@ def test_quiet_demo_prints_only_the_table(tmp_path, capsys):
     assert captured.err == "" and "held MB" in captured.out
     saved = json.loads((tmp_path / "q" / "metrics.json").read_text())
     assert saved["config"]["lr"] == 2e-3 and saved["config"]["matrix_lr_ratio"] == 0.5
+
+
+# --- A new user's first hour (issue 24) and the CLI's bad input (issue 27 items 4, 9) ---
+
+def _status(argv):
+    try:
+        return main(argv)
+    except SystemExit as exit_info:
+        return exit_info.code
+
+
+def _interrupt_call(monkeypatch, module, name, at):
+    """Replace ``module.name`` by the real one that raises KeyboardInterrupt (a Ctrl-C) on
+    its call number ``at``."""
+    real, calls = getattr(module, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, wrapped)
+
+
+def test_demo_writes_every_finished_run_and_ctrl_c_keeps_them(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "d"
+    _interrupt_call(monkeypatch, demo, "train", at=3)
+    status = main(["demo", "--optimizers", "adamw", "frugal", "badam", "--steps", "2",
+                   "--out", str(out), *TINY_ARGS])
+    captured = capsys.readouterr()
+    assert status == 130
+    last = captured.err.strip().splitlines()[-1]
+    assert last == (f"frugal-kernels demo: interrupted: interrupted during run 3 of 3 "
+                    f"(BAdam K=20); wrote the 2 finished runs to {out}")
+    assert "Traceback" not in captured.err
+    saved = json.loads((out / "metrics.json").read_text())
+    assert list(saved["runs"]) == ["adamw", "frugal"]
+    assert saved["planned"] == ["adamw", "frugal", "badam"]
+    text = (out / "table.md").read_text()
+    assert "2 of 3 runs finished; not run: BAdam K=20." in text
+    assert (out / "demo.png").exists() and (out / "table.csv").exists()
+
+
+def test_demo_prints_run_k_of_n_with_the_time_so_far_and_left(tmp_path, capsys):
+    assert main(["demo", "--optimizers", "adamw", "frugal", "--steps", "2", "--out",
+                 str(tmp_path / "p"), *TINY_ARGS]) == 0
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("run ")]
+    assert lines[0].startswith("run 1 of 2: AdamW (") and "elapsed)" in lines[0]
+    assert lines[1].startswith("run 2 of 2: FRUGAL rho=0.25 (") and " left)" in lines[1]
+
+
+def test_a_folder_with_results_is_never_overwritten_without_overwrite(tmp_path, capsys):
+    out = tmp_path / "same"
+    argv = ["demo", "--optimizers", "adamw", "--steps", "2", "--out", str(out), *TINY_ARGS]
+    assert main(argv) == 0
+    first = (out / "metrics.json").read_text()
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert (out / "metrics.json").read_text() == first
+    assert (tmp_path / "same-2" / "metrics.json").exists()
+    assert f"writing to {tmp_path / 'same-2'} instead" in capsys.readouterr().err
+    assert main([*argv, "--overwrite"]) == 0
+    assert (out / "metrics.json").read_text() != first
+    assert not (tmp_path / "same-3").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["demo", "--optimizers", "adamw"], ["train", "--optimizer", "adamw"],
+    ["sweep", "--optimizers", "adamw", "--lrs", "1e-3"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_bad_out_is_refused_before_anything_trains(command, where, tmp_path, monkeypatch,
+                                                     capsys):
+    from frugal_kernels.lab import sweep, train as train_module
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before checking --out")
+    for module in (demo, sweep, train_module):
+        monkeypatch.setattr(module, "train", no_training)
+    existing = tmp_path / "file"
+    existing.write_text("not a folder")
+    out = existing if where == "a file" else existing / "sub"
+    assert _status([*command, "--out", str(out), "--steps", "2", *TINY_ARGS]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "error: --out" in lines[0], captured.err
+    assert existing.read_text() == "not a folder"
+
+
+def _data_cases(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    no_text = tmp_path / "pictures"
+    no_text.mkdir()
+    (no_text / "a.png").write_bytes(b"\x89PNG")
+    little = tmp_path / "little.txt"
+    little.write_text("print('hello')\n" * 8)
+    return [(["--data", str(empty)], "holds no text"),
+            (["--data", str(no_text)], "no .txt/.md/.py files found"),
+            (["--data", "/dev/null"], "neither a file nor a folder"),
+            (["--data", str(little)], "too small for batches of 2 x 16 bytes")]
+
+
+@pytest.mark.parametrize("command", ["demo", "train", "sweep"])
+def test_bad_data_is_one_line_and_status_2(command, tmp_path, capsys):
+    extra = ["--lrs", "1e-3"] if command == "sweep" else []
+    for argv, fragment in _data_cases(tmp_path):
+        assert _status([command, *extra, *argv, "--out", str(tmp_path / "o"), "--steps", "2",
+                        *TINY_ARGS]) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "error: --data" in lines[0] and fragment in lines[0], lines
+
+
+def test_a_hugging_face_source_without_datasets_is_refused(monkeypatch, capsys):
+    import sys as _sys
+    monkeypatch.setitem(_sys.modules, "datasets", None)  # as if not installed
+    assert _status(["demo", "--data", "hf:wikitext", *TINY_ARGS]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "needs the optional package datasets" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["train", "--flop-budget", "1"], "does not pay for one step"),
+    (["train", "--flop-budget", "1", "--steps", "3"], "does not pay for one step"),
+    (["demo", "--seed", "99999999999999999999"], "--seed"),
+    (["train", "--seed", "-1"], "--seed"),
+    (["sweep", "--lrs", "1e-3", "--seeds", "0", "4294967296"], "--seeds"),
+    (["train", "--resume", "/nonexistent/checkpoint.pt"], "--resume"),
+    (["train", "--log", "mlflow"], "--log"),
+])
+def test_more_bad_arguments_get_one_line_and_status_2(argv, fragment, tmp_path, capsys):
+    assert _status([*argv, "--out", str(tmp_path / "o"), *TINY_ARGS]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and fragment in lines[0], lines
+
+
+def test_train_resumes_exactly_where_it_stopped(tmp_path, monkeypatch, capsys):
+    import frugal_kernels.lab.train as train_module
+
+    run = ["train", "--optimizer", "adafrugal", "--steps", "12", "--eval-every", "3",
+           "--save-model", *TINY_ARGS]
+    assert main([*run, "--out", str(tmp_path / "whole")]) == 0
+    # Ctrl-C in the third evaluation (step 9): the checkpoint of step 6 stands.
+    with monkeypatch.context() as patch:
+        _interrupt_call(patch, train_module, "_evaluate", at=3)
+        assert main([*run, "--out", str(tmp_path / "parts")]) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    checkpoint = tmp_path / "parts" / "checkpoint.pt"
+    assert err.endswith(f"interrupted after step 9 of 12; wrote the metrics so far to "
+                        f"{tmp_path / 'parts'}; resume from step 6 with --resume {checkpoint}")
+    assert json.loads((tmp_path / "parts" / "metrics.json").read_text())[
+        "runs"]["adafrugal"]["summary"]["steps"] == 9
+    assert main(["train", "--resume", str(checkpoint), "--save-model", "--device", "cpu",
+                 "--no-progress"]) == 0
+    whole, parts = (json.loads((tmp_path / f / "metrics.json").read_text())["runs"]["adafrugal"]
+                    for f in ("whole", "parts"))
+    assert [s["train_loss"] for s in parts["steps"]] == [s["train_loss"] for s in whole["steps"]]
+    assert [s["rho"] for s in parts["steps"]] == [s["rho"] for s in whole["steps"]]
+    assert parts["evaluations"] == [{**e, "time": p["time"]} for e, p in
+                                    zip(whole["evaluations"], parts["evaluations"])]
+    a, b = (torch.load(tmp_path / f / "model.pt", weights_only=True) for f in ("whole", "parts"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # A resumed run takes its settings from the checkpoint; another file is not one.
+    assert _status(["train", "--resume", str(checkpoint), "--lr", "1e-2"]) == 2
+    assert "drop --lr" in capsys.readouterr().err
+    (tmp_path / "other.pt").write_bytes(b"not a checkpoint")
+    assert _status(["train", "--resume", str(tmp_path / "other.pt")]) == 2
+    assert "is not a training checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, module", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
+def test_log_sends_metrics_where_installed_and_says_so_where_not(kind, module, tmp_path,
+                                                                 monkeypatch, capsys):
+    import importlib.util
+    argv = ["train", "--optimizer", "adamw", "--steps", "2", "--log", kind, "--out",
+            str(tmp_path / "l"), *TINY_ARGS]
+    if importlib.util.find_spec(module) is None:
+        assert _status(argv) == 2
+        line = capsys.readouterr().err.strip()
+        assert f"--log {kind} needs the {module} package" in line and "\n" not in line
+        assert not (tmp_path / "l" / "metrics.json").exists()
+    else:
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        assert main(argv) == 0
+        assert any((tmp_path / "l" / kind).rglob("*"))
+
+
+def _summary_run(label, loss, held_mb, spread=0.01, budget_from=None, note=""):
+    return {"label": label, "budget_from": budget_from, "note": note,
+            "summary": {"final_val_loss": loss, "held_bytes": held_mb * 2**20,
+                        "step_time": 0.05},
+            "tuned": None if spread is None else {"spread": spread, "seeds": 2,
+                                                  "settings": {"seeds": [0, 1]}}}
+
+
+def test_recommendation_per_memory_budget_with_its_reason():
+    metrics = {"runs": {
+        "adamw": _summary_run("AdamW", 2.00, 12.0),
+        "galore": _summary_run("GaLore", 1.90, 10.0),     # best at AdamW's memory
+        "frugal": _summary_run("FRUGAL", 1.985, 8.0),      # fits 2/3
+        "quick": _summary_run("Quick", 1.99, 7.0),        # within the spread of FRUGAL, faster
+        "small": _summary_run("Small", 2.10, 5.0),        # beyond it: the pick at half
+        "badam": _summary_run("BAdam", 3.00, 3.5),        # the only one under 1/3
+        "gov": _summary_run("Gov", 1.0, 1.0, budget_from="frugal")}}
+    metrics["runs"]["quick"]["summary"]["step_time"] = 0.03
+    lines = demo._recommendations(metrics).splitlines()
+    assert lines[0] == "Recommendation per memory budget (held MB):"
+    assert lines[1] == ("- at most 12.0 MB held (AdamW's 12.0 MB): GaLore: the lowest loss of "
+                        "the 6 runs that fit (1.9000, -5.00% against AdamW), holding 10.0 MB, "
+                        "50 ms/step.")
+    assert lines[2] == ("- at most 8.0 MB held (67% of AdamW's): Quick: within the seed-to-seed "
+                        "spread of the lowest loss (FRUGAL, 1.9850) and faster, 30 ms/step "
+                        "against 50, holding 7.0 MB.")
+    assert lines[3].startswith("- at most 6.0 MB held (50% of AdamW's): Small: the lowest loss "
+                               "of the 2 runs that fit (2.1000, +5.00% against AdamW)")
+    assert lines[4].startswith("- at most 4.0 MB held (33% of AdamW's): BAdam: the lowest loss "
+                               "of the 1 runs that fit")
+    assert len(lines) == 5
+
+
+def test_rows_far_from_the_first_are_explained():
+    metrics = {"runs": {
+        "adamw": _summary_run("AdamW", 2.00, 12.0),
+        "badam": _summary_run("BAdam K=20", 2.98, 5.0, spread=0.15, note="a fine-tuning method"),
+        "near": _summary_run("Near", 2.005, 8.0, note="never shown: within the spread"),
+        "untuned": _summary_run("Untuned", 2.2, 8.0, spread=None, note="beyond 5%"),
+        "ahead": _summary_run("Ahead", 1.5, 8.0, note="never shown: better")}}
+    assert demo._explanations(metrics).splitlines() == [
+        "Why the rows far behind AdamW are there:",
+        "- BAdam K=20 (+49.00%): a fine-tuning method.",
+        "- Untuned (+10.00%): beyond 5%."]
+
+
+def test_badam_row_says_it_is_a_fine_tuning_method_and_holds_its_peak_state(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(demo, "BADAM_SWITCH_EVERY", 2)
+    config = dataclasses.replace(TINY, steps=6, eval_every=3)
+    metrics = demo.run_demo(config, ["adamw", "badam"], out=tmp_path / "b", progress=False,
+                            tuned=False)
+    run = metrics["runs"]["badam"]
+    # The tiny preset's 2 layers, the embedding and the head: 4 blocks.
+    assert run["note"].startswith("BAdam is a fine-tuning method: it trains one block of 4 at "
+                                  "a time")
+    s = run["summary"]
+    assert s["max_state_bytes"] == max(st["state_bytes"] for st in run["steps"]) > 0
+    header, rows = demo._rows(metrics)
+    state = rows[1][header.index("state MB")]
+    assert state == f"{s['max_state_bytes'] / 2**20:.2f}"
+    assert "state MB: the most optimizer state held at once over the run" in demo.table(metrics)
+
+
+def test_plot_names_the_runs_lrs_has_a_time_panel_and_tells_lines_apart(tmp_path):
+    config = dataclasses.replace(TINY, steps=6, eval_every=2)
+    metrics = demo.run_demo(config, ["adamw", "adafrugal", "adafrugal+governor"],
+                            out=tmp_path / "p", progress=False, tuned=False)
+    # The lrs the runs used, not the config's (tuned lrs differ from it).
+    for run in metrics["runs"].values():
+        run["config"].update(lr=0.003, matrix_lr_ratio=0.25)
+    assert "lr 0.003 (matrices x0.25)" in demo._title(metrics)
+    fig = demo.figure(metrics)
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.axison}
+    time_ax = axes["validation loss against wall time"]
+    lines = {line.get_label(): line for line in time_ax.get_lines()}
+    for run in metrics["runs"].values():
+        assert list(lines[run["label"]].get_xdata()) == [e["time"] for e in run["evaluations"]]
+    ada, gov = (lines[metrics["runs"][n]["label"]] for n in ("adafrugal", "adafrugal+governor"))
+    assert (ada.get_linestyle(), ada.get_marker()) != (gov.get_linestyle(), gov.get_marker())
+    assert ada.get_linestyle() != gov.get_linestyle() and ada.get_marker() != gov.get_marker()
+    # Neither rho nor T changed in 6 steps: no flat panels, the title gives them.
+    assert not any(t.startswith(("T:", "rho:")) for t in axes)
+    assert fig._suptitle.get_text().endswith(
+        f"rho = 0.25 and T = {demo.UPDATE_GAP} throughout, in every run with a subspace")
+    steps = metrics["runs"]["adafrugal"]["steps"]
+    steps[-1]["update_gap"] = 2 * demo.UPDATE_GAP
+    steps[-1]["rho"] = 0.15
+    titles = [ax.get_title() for ax in demo.figure(metrics).axes]
+    assert any(t.startswith("T:") for t in titles) and any(t.startswith("rho:") for t in titles)

@@ -74,15 +74,15 @@ def test_sweep_command_writes_tables_and_tuned_lrs_the_demo_reads(tmp_path, monk
     assert runs["badam"]["tuned"] is None  # not swept: the config's lr
     assert runs["badam"]["config"]["lr"] == demo.DEFAULTS.lr
     printed = capsys.readouterr().out
-    assert "within the seed-to-seed spread" in printed and "FRUGAL rho=0.25 (" in printed
+    assert "the seed-to-seed spread" in printed and "FRUGAL rho=0.25 (" in printed
     assert "settings differ" not in printed
 
     assert main(["demo", "--optimizers", "adamw", "frugal", "--lr", "2e-3",
-                 "--out", str(out), *TINY_ARGS]) == 0
+                 "--out", str(out), "--overwrite", *TINY_ARGS]) == 0
     runs = json.loads((out / "metrics.json").read_text())["runs"]
     assert {run["config"]["lr"] for run in runs.values()} == {2e-3}
     assert {run["config"]["matrix_lr_ratio"] for run in runs.values()} == {1.0}
-    assert "within the seed-to-seed spread" not in capsys.readouterr().out
+    assert "beyond the seed-to-seed spread" not in capsys.readouterr().out
 
 
 def test_sweep_refuses_a_governed_run(tmp_path):
@@ -114,23 +114,28 @@ def _run(label, loss, spread, budget_from=None):
 SETTINGS = {"config": dataclasses.asdict(TrainConfig()), "seeds": [0, 1]}
 
 
-def test_verdict_splits_the_runs_by_the_seed_spread():
+def test_verdict_says_better_worse_or_the_same_within_the_seed_spread():
     metrics = {"config": dataclasses.asdict(TrainConfig()), "runs": {
         "adamw": _run("AdamW", 2.00, 0.02),
-        "near": _run("Near", 2.03, 0.03),      # 0.03 <= max(0.03, 0.02): within
-        "far": _run("Far", 1.90, 0.01),        # 0.10 > 0.02: beyond
+        "near": _run("Near", 2.03, 0.03),      # 0.03 <= max(0.03, 0.02): the same
+        "far": _run("Far", 1.90, 0.01),        # 0.10 > 0.02: better
+        "worse": _run("Worse", 2.50, 0.01),    # worse
         "governed": _run("Gov", 3.0, 0.01, budget_from="far"),
         "untuned": _run("Untuned", 1.0, None)}}
     text = demo._verdict(metrics)
-    assert "within the seed-to-seed spread (the range over 2 seeds" in text
-    within, beyond = text.split("beyond it:")
-    assert "Near (+1.50%, spread 1.50%)" in within and "Far" not in within
-    assert "Far (-5.00%, spread 1.00%)" in beyond
-    assert "Gov" not in text and "Untuned" not in text and "settings differ" not in text
+    assert "beyond the seed-to-seed spread (the range over 2 seeds" in text
+    assert "better: Far (-5.00%, spread 1.00%); worse: Worse (+25.00%, spread 1.00%)." in text
+    assert "The same within the seed-to-seed spread: Near (+1.50%, spread 1.50%)." in text
+    assert "Gov" not in text and "settings differ" not in text
+    # A run without a spread is put as lower or higher, with the caveat.
+    assert "with no seed-to-seed spread" in text and "lower loss: Untuned (-50.00%)" in text
     metrics["config"] = {**metrics["config"], "steps": 7}
     assert "settings differ" in demo._verdict(metrics)
-    metrics["runs"]["adamw"]["tuned"] = None
-    assert demo._verdict(metrics) == ""
+    # A sweep of one seed has no spread: its range of 0 is not one.
+    metrics["runs"]["adamw"]["tuned"] = {"spread": 0.0, "seeds": 1, "settings": SETTINGS}
+    text = demo._verdict(metrics)
+    assert "beyond the seed-to-seed spread" not in text
+    assert "higher: Near (+1.50%), Worse (+25.00%)" in text
 
 
 def test_a_row_takes_the_tuning_it_names_or_its_budget_source(tmp_path, monkeypatch):
@@ -147,3 +152,52 @@ def test_a_row_takes_the_tuning_it_names_or_its_budget_source(tmp_path, monkeypa
     assert demo.run_config(config, "adafrugal+governor").lr == 6e-3
     assert demo.run_config(config, "adamw") == config  # not recorded: the config's lrs
     assert demo.run_config(config, "frugal", tuned=False) == config
+
+
+def test_a_repeated_seed_runs_once_with_a_notice(tmp_path, capsys):
+    assert main(["sweep", "--optimizers", "adamw", "--lrs", "1e-3", "1e-3", "--seeds", "0",
+                 "0", "--out", str(tmp_path / "s"), *TINY_ARGS]) == 0
+    captured = capsys.readouterr()
+    assert "--seeds: 0 given more than once; running 0" in captured.err
+    assert "--lrs: 0.001 given more than once" in captured.err
+    saved = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert [(r["lr"], r["seed"]) for r in saved["runs"]] == [(1e-3, 0)]
+    assert saved["best"]["adamw"]["seeds"] == 1
+    assert "– (one seed)" in captured.out  # not a spread of 0
+
+
+def test_sweep_writes_every_finished_run_and_ctrl_c_keeps_them(tmp_path, monkeypatch, capsys):
+    real, calls = sweep.train, []
+
+    def interrupted_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sweep, "train", interrupted_third)
+    path = tmp_path / "tuned.json"
+    out = tmp_path / "s"
+    assert main(["sweep", "--optimizers", "adamw", "--lrs", "1e-3", "1e-2", "--seeds", "0",
+                 "1", "--out", str(out), "--write-tuned", str(path),
+                 *[a for a in TINY_ARGS if a != "--quiet"], "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"frugal-kernels sweep: interrupted: interrupted during run 3 of 4 (adamw lr 0.01 x1 "
+        f"seed 0); wrote the 2 finished runs to {out}")
+    assert "run 2 of 4: adamw lr 0.001 x1 seed 1 (" in err and " left)" in err
+    saved = json.loads((out / "sweep.json").read_text())
+    assert len(saved["runs"]) == 2 and saved["planned"] == 4
+    assert "2 of 4 runs finished." in (out / "sweep.md").read_text()
+    assert not path.exists()  # an unfinished sweep records no tuning
+
+
+def test_write_tuned_is_checked_before_the_sweep_trains(tmp_path, capsys):
+    for bad in (tmp_path, tmp_path / "missing" / "tuned.json"):
+        try:
+            status = main(["sweep", "--lrs", "1e-3", "--write-tuned", str(bad), "--out",
+                           str(tmp_path / "o"), *TINY_ARGS])
+        except SystemExit as exit_info:
+            status = exit_info.code
+        assert status == 2
+        line = capsys.readouterr().err.strip()
+        assert "error: --write-tuned" in line and "\n" not in line

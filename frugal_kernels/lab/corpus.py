@@ -130,6 +130,8 @@ def text_file_documents(
         raise FileNotFoundError(f"data path {str(path)!r} does not exist")
     if path.is_file():
         return _read_capped(path.parent, [path], max_bytes)
+    if not path.is_dir():  # /dev/null, a pipe, a socket: no text to split and sample
+        raise ValueError(f"data path {str(path)!r} is neither a file nor a folder")
     files = sorted(
         (p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes),
         key=lambda p: p.relative_to(path).as_posix(),
@@ -248,17 +250,22 @@ class TokenDataset:
         seed: int = 0,
         device: Union[str, torch.device] = "cpu",
         num_batches: Optional[int] = None,
+        skip: int = 0,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Random windows of the split: ``(input_ids, labels)``, int64, shape ``[B, T]``.
 
         Each window starts at a uniformly random offset drawn from a generator seeded with
         ``seed``, so the sequence of batches is the same on every run and every device. The
         iterator is endless unless ``num_batches`` is given. ``labels`` equals ``input_ids``:
-        :class:`~frugal_kernels.model.LlamaForCausalLM` shifts them itself.
+        :class:`~frugal_kernels.model.LlamaForCausalLM` shifts them itself. ``skip`` passes
+        over the first batches of the sequence (drawing only their offsets), so that a resumed
+        run goes on with the batches it would have seen.
         """
         num_tokens = self._check_length(split, seq_len)
         tokens = self.tokens(split)
         generator = torch.Generator().manual_seed(seed)
+        for _ in range(skip):
+            torch.randint(0, num_tokens - seq_len + 1, (batch_size,), generator=generator)
         produced = 0
         while num_batches is None or produced < num_batches:
             starts = torch.randint(0, num_tokens - seq_len + 1, (batch_size,), generator=generator)

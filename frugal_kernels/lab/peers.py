@@ -83,13 +83,20 @@ def _adamw8bit(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
 # 10k+ steps).
 PEERS: dict[str, dict[str, Any]] = {
     "galore": dict(label="GaLore rank d/4", color="tab:purple", make=_galore,
-                   requires=("galore_torch", "galore-torch"), subspace=True),
+                   requires=("galore_torch", "galore-torch"), subspace=True,
+                   note="GaLore keeps AdamW's moments for a rank-d/4 projection of each "
+                        "matrix's gradient (an SVD every T steps) and drops the rest of it"),
     "apollo": dict(label="APOLLO rank d/4", color="tab:brown", make=_apollo,
-                   requires=("apollo_torch", "apollo-torch"), subspace=True),
+                   requires=("apollo_torch", "apollo-torch"), subspace=True,
+                   note="APOLLO scales each channel's gradient by a ratio it estimates from "
+                        "AdamW moments of a rank-d/4 random projection"),
     "adam-mini": dict(label="Adam-mini", color="tab:pink", make=_adam_mini,
-                      requires=("adam_mini", "adam-mini")),
+                      requires=("adam_mini", "adam-mini"),
+                      note="Adam-mini keeps one second moment per head, neuron or token "
+                           "instead of one per weight"),
     "adamw8bit": dict(label="AdamW 8-bit (bnb)", color="tab:olive", make=_adamw8bit,
-                      requires=("bitsandbytes", "bitsandbytes")),
+                      requires=("bitsandbytes", "bitsandbytes"),
+                      note="AdamW with its moments kept in 8-bit blocks"),
 }
 
 

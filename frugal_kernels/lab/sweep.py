@@ -26,20 +26,37 @@ import torch
 
 from frugal_kernels.lab import demo
 from frugal_kernels.lab import tuned as tuned_lrs
-from frugal_kernels.lab.corpus import load_corpus
-from frugal_kernels.lab.train import TrainConfig, train
+from frugal_kernels.lab.corpus import TokenDataset, load_corpus
+from frugal_kernels.lab.output import output_folder
+from frugal_kernels.lab.train import TrainConfig, check_data, train
 
 __all__ = ["best_settings", "run_sweep", "table"]
 
 
+def _unique(values: Sequence, option: str) -> list:
+    """``values`` in order without repeats; a repeat is dropped with a notice on stderr (a
+    seed run twice would make a seed-to-seed spread of 0)."""
+    kept = list(dict.fromkeys(values))
+    if len(kept) < len(values):
+        repeated = sorted({v for v in values if list(values).count(v) > 1})
+        print(f"{option}: {', '.join(map(str, repeated))} given more than once; running "
+              f"{' '.join(map(str, kept))}", file=sys.stderr)
+    return kept
+
+
 def run_sweep(config: TrainConfig, names: Sequence[str], lrs: Sequence[float],
               ratios: Sequence[float], seeds: Sequence[int], out: Optional[Path] = None,
-              progress: bool | str = False, tuned: Optional[Path] = None) -> dict[str, Any]:
+              progress: bool | str = False, tuned: Optional[Path] = None,
+              data: Optional[TokenDataset] = None, overwrite: bool = False) -> dict[str, Any]:
     """Train ``config`` once per optimizer in ``names`` (those installed), lr in ``lrs``,
-    matrix lr ratio in ``ratios`` and seed in ``seeds``; write the results into ``out``
-    (default ``runs/sweep-<time>``) and, with ``tuned``, record the best settings there.
+    matrix lr ratio in ``ratios`` and seed in ``seeds`` (repeats dropped, with a notice), on
+    ``data`` (default ``load_corpus(config.data)``); write the results into ``out`` (default
+    ``runs/sweep-<time>``; see :func:`~frugal_kernels.lab.output.output_folder`) after every
+    run and, with ``tuned``, record the best settings there at the end. A line before each
+    run says which of how many it is, the time so far and an estimate of the rest.
 
-    Returns what ``sweep.json`` holds, with ``"out"`` and ``"files"`` added.
+    Returns what ``sweep.json`` holds, with ``"out"`` and ``"files"`` added. Ctrl-C writes
+    the finished runs (not ``tuned``) and raises :class:`~frugal_kernels.lab.demo.Interrupted`.
     """
     for name in names:
         if name not in demo.OPTIMIZERS:
@@ -48,34 +65,59 @@ def run_sweep(config: TrainConfig, names: Sequence[str], lrs: Sequence[float],
         if demo.OPTIMIZERS[name].budget_from is not None:
             raise ValueError(f"{name!r} is a governed run; sweep "
                              f"{demo.OPTIMIZERS[name].budget_from!r}, whose tuning it takes")
-    names = demo.available(names)
-    out = Path(out) if out is not None else Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S")
-    data = load_corpus(config.data, max_bytes=config.max_bytes)
+    names = demo.available(_unique(names, "--optimizers"))
+    lrs, ratios = _unique(lrs, "--lrs"), _unique(ratios, "--matrix-lr-ratio")
+    seeds = _unique(seeds, "--seeds")
+    out, note = output_folder(out, "sweep", overwrite)
+    if note and progress:
+        print(note, file=sys.stderr)
+    if data is None:
+        data = load_corpus(config.data, max_bytes=config.max_bytes)
+    check_data(data, config)
     started = time.perf_counter()
-    runs = []
-    for name in names:
-        entry = demo.OPTIMIZERS[name]
-        for ratio in ratios:
-            for lr in lrs:
-                for seed in seeds:
-                    run_config = dataclasses.replace(config, lr=lr, matrix_lr_ratio=ratio,
-                                                     seed=seed)
-                    result = train(run_config, entry.make, data=data,
-                                   name=f"{name} lr {lr:g} x{ratio:g} seed {seed}",
-                                   progress=progress)
-                    runs.append({"optimizer": name, "label": entry.label, "lr": lr,
-                                 "matrix_lr_ratio": ratio, "seed": seed,
-                                 **result.summary()})
     from frugal_kernels.bench.fingerprint import fingerprint
 
     settings = {"config": dataclasses.asdict(config), "lrs": list(lrs),
                 "matrix_lr_ratios": list(ratios), "seeds": list(seeds),
                 "command": " ".join(sys.argv)}
-    metrics = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "wall_time": time.perf_counter() - started,
-               "fingerprint": fingerprint(torch.device(config.device)),
-               "settings": settings, "runs": runs, "best": best_settings(runs)}
-    out.mkdir(parents=True, exist_ok=True)
+    grid = [(name, ratio, lr, seed) for name in names for ratio in ratios for lr in lrs
+            for seed in seeds]
+    runs: list[dict[str, Any]] = []
+    metrics: dict[str, Any] = {}
+    files: list[Path] = []
+    for k, (name, ratio, lr, seed) in enumerate(grid, 1):
+        entry = demo.OPTIMIZERS[name]
+        label = f"{name} lr {lr:g} x{ratio:g} seed {seed}"
+        if progress:
+            print(demo.overall_progress(k, len(grid), label, time.perf_counter() - started,
+                                        sum(r["wall_time"] for r in runs),
+                                        sum(r["steps"] for r in runs),
+                                        (len(grid) - k + 1) * config.steps),
+                  file=sys.stderr, flush=True)
+        run_config = dataclasses.replace(config, lr=lr, matrix_lr_ratio=ratio, seed=seed)
+        try:
+            result = train(run_config, entry.make, data=data, name=label, progress=progress)
+        except KeyboardInterrupt:
+            kept = (f"wrote the {len(runs)} finished runs to {out}" if runs
+                    else "no run had finished, nothing written")
+            raise demo.Interrupted(f"interrupted during run {k} of {len(grid)} ({label}); "
+                                   f"{kept}") from None
+        runs.append({"optimizer": name, "label": entry.label, "lr": lr,
+                     "matrix_lr_ratio": ratio, "seed": seed, **result.summary()})
+        metrics = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                   "wall_time": time.perf_counter() - started,
+                   "fingerprint": fingerprint(torch.device(config.device)),
+                   "settings": settings, "planned": len(grid), "runs": runs,
+                   "best": best_settings(runs)}
+        files = _write(metrics, out)
+    if tuned is not None:
+        tuned_lrs.update(tuned, config.model, settings, metrics["best"])
+        files.append(Path(tuned))
+    return {**metrics, "out": str(out), "files": [str(f) for f in files]}
+
+
+def _write(metrics: dict[str, Any], out: Path) -> list[Path]:
+    """``sweep.json``, ``sweep.md`` and ``sweep.csv`` of the runs so far."""
     files = [out / "sweep.json", out / "sweep.md", out / "sweep.csv"]
     files[0].write_text(json.dumps(metrics, indent=1))
     files[1].write_text(table(metrics) + "\n")
@@ -84,11 +126,8 @@ def run_sweep(config: TrainConfig, names: Sequence[str], lrs: Sequence[float],
     with open(files[2], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
-        writer.writerows([run[c] for c in columns] for run in runs)
-    if tuned is not None:
-        tuned_lrs.update(tuned, config.model, settings, metrics["best"])
-        files.append(Path(tuned))
-    return {**metrics, "out": str(out), "files": [str(f) for f in files]}
+        writer.writerows([run[c] for c in columns] for run in metrics["runs"])
+    return files
 
 
 def _cells(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, float, float], list[float]]:
@@ -142,12 +181,17 @@ def table(metrics: dict[str, Any]) -> str:
         if chosen is None:
             row += ["diverged", "–"]
         else:
+            spread = (f"{chosen['spread']:.4f} ({chosen['spread'] / chosen['val_loss']:.2%})"
+                      if chosen["seeds"] > 1 else "– (one seed)")
             row += [f"{chosen['lr']:g} ({chosen['lr'] * chosen['matrix_lr_ratio']:.3g})",
-                    f"{chosen['spread']:.4f} ({chosen['spread'] / chosen['val_loss']:.2%})"]
+                    spread]
         lines.append("| " + " | ".join(row) + " |")
     c = settings["config"]
     lines.append(f"\nMean final validation loss over seeds {', '.join(map(str, settings['seeds']))} "
                  f"(their range in parentheses); {c['model']} model, {c['steps']} steps of "
                  f"{c['batch_size']}x{c['seq_len']} bytes, {c['schedule']} schedule; "
                  f"{metrics['wall_time']:.0f} s in all.")
+    planned = metrics.get("planned", len(metrics["runs"]))
+    if len(metrics["runs"]) < planned:
+        lines.append(f"{len(metrics['runs'])} of {planned} runs finished.")
     return "\n".join(lines)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import pickle
 import re
 import resource
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -38,9 +40,14 @@ from frugal_kernels.optim.memory import PeakMemory, release_freed_memory, storag
 from frugal_kernels.optim.sharding import local
 
 __all__ = [
+    "CHECKPOINT_FORMAT",
     "OptimizerFactory",
     "RunResult",
     "TrainConfig",
+    "TrainingInterrupted",
+    "check_data",
+    "load_checkpoint",
+    "metric_logger",
     "lr_factor",
     "lr_groups",
     "optimizer_state_bytes",
@@ -121,6 +128,11 @@ class TrainConfig:
                                  f"{getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        # The weights, the batches and the optimizers' own generators (DQT's rounding, BAdam's
+        # block order) are all seeded with it; the narrowest of them takes 32 bits.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
 
     def model_config(self, vocab_size: int) -> LlamaConfig:
         return LlamaConfig.from_preset(self.model, vocab_size=vocab_size,
@@ -255,6 +267,92 @@ def steps_for_budget(budget: float, config: TrainConfig, vocab_size: int) -> int
         raise ValueError(f"a budget of {budget:.3g} FLOPs does not pay for one step "
                          f"({per_step:.3g} FLOPs)")
     return steps
+
+
+def check_data(data: TokenDataset, config: TrainConfig) -> None:
+    """Refuse, before any training, data too small for ``config``'s batches: a training
+    window of ``seq_len`` bytes and a validation batch of ``batch_size`` such windows."""
+    train_tokens, val_tokens = len(data.train), len(data.validation)
+    need = config.batch_size * config.seq_len
+    if train_tokens < config.seq_len or val_tokens < need:
+        raise ValueError(
+            f"the data {data.source!r} is too small for batches of {config.batch_size} x "
+            f"{config.seq_len} bytes: it splits into {train_tokens:,} training and "
+            f"{val_tokens:,} validation bytes, and validation needs at least {need:,}; give "
+            "more text, or a smaller batch size or sequence length")
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`train`: ``result`` holds the steps finished before it (its
+    ``stop_reason`` says where the run stopped). A KeyboardInterrupt, so that code that
+    does not know it stops as on any Ctrl-C."""
+
+    def __init__(self, result: "RunResult") -> None:
+        super().__init__(result.stop_reason)
+        self.result = result
+
+
+CHECKPOINT_FORMAT = "frugal-kernels train checkpoint 1"
+
+
+def load_checkpoint(path) -> dict[str, Any]:
+    """A checkpoint :func:`train` wrote (``checkpoint=``), read with ``weights_only=True``;
+    ``ValueError`` for a file that is not one."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {str(path)!r} does not exist") from None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{str(path)!r} is not a training checkpoint ({reason})") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a training checkpoint of frugal-kernels train")
+    return state
+
+
+class _Logger:
+    """Scalars of a run sent to TensorBoard or Weights & Biases: ``logger(step, values)``."""
+
+    def __init__(self, kind: str, folder, config: "TrainConfig", name: str) -> None:
+        self.kind = kind
+        if kind == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("--log tensorboard needs the tensorboard package, which is not "
+                                 "installed (pip install tensorboard)") from None
+            self._writer = SummaryWriter(log_dir=str(folder))
+        elif kind == "wandb":
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("--log wandb needs the wandb package, which is not installed "
+                                 "(pip install wandb)") from None
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self._run = wandb.init(project="frugal-kernels", name=name, dir=str(folder),
+                                   config=dataclasses.asdict(config))
+        else:
+            raise ValueError(f"log must be 'tensorboard' or 'wandb', got {kind!r}")
+
+    def __call__(self, step: int, values: dict[str, float]) -> None:
+        if self.kind == "tensorboard":
+            for key, value in values.items():
+                self._writer.add_scalar(key, value, step)
+        else:
+            self._run.log(values, step=step)
+
+    def close(self) -> None:
+        if self.kind == "tensorboard":
+            self._writer.close()
+        else:
+            self._run.finish()
+
+
+def metric_logger(kind: str, folder, config: TrainConfig, name: str = "") -> _Logger:
+    """A logger for :func:`train`'s ``log``: ``"tensorboard"`` (event files under ``folder``)
+    or ``"wandb"`` (a run of the project frugal-kernels). ``ValueError`` when the package is
+    not installed."""
+    return _Logger(kind, folder, config, name)
 
 
 @dataclass
@@ -411,6 +509,9 @@ def train(
     data: Optional[TokenDataset] = None,
     name: str = "",
     progress: Union[bool, str] = True,
+    checkpoint: Optional[Callable[[dict[str, Any]], None]] = None,
+    resume: Optional[dict[str, Any]] = None,
+    log: Optional[Callable[[int, dict[str, float]], None]] = None,
 ) -> RunResult:
     """Train ``model`` (default: a fresh ``config.model`` preset seeded with ``config.seed``)
     on ``data`` (default: ``load_corpus(config.data)``) with ``make_optimizer(model, config)``.
@@ -432,12 +533,22 @@ def train(
     FLOPs are summed over the ranks, so that the governor and AdaFRUGAL see the same
     numbers everywhere and decide alike; memory and state bytes are this rank's, and
     only the first rank writes progress.
+
+    ``checkpoint``, when given, is called after every evaluation with the whole state of the
+    run (model, optimizer, lr schedule, governor, RNG, step, the metrics so far: what
+    ``resume`` takes); ``resume``, such a state, continues that run from its step on the
+    batches it would have seen, exactly as if it had not stopped. ``log(step, values)`` gets
+    the scalars of every step and evaluation (``metric_logger``). Ctrl-C raises
+    :class:`TrainingInterrupted` with the steps finished so far.
     """
     from tqdm.auto import tqdm
 
     device = torch.device(config.device)
     if data is None:
         data = load_corpus(config.data, max_bytes=config.max_bytes)
+    check_data(data, config)
+    if (checkpoint is not None or resume is not None) and config.parallel is not None:
+        raise ValueError("checkpoints are written and resumed in one-process runs only")
     if model is None:
         model = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
     model.to(device).train()
@@ -448,8 +559,10 @@ def train(
     share = config.batch_size // world
     val_batches = data.validation_batches(config.batch_size, config.seq_len,
                                           num_batches=config.eval_batches, device=device)
+    start = 0 if resume is None else int(resume["step"])
+    # A resumed run skips the batches the first part drew.
     batches = data.batches("train", config.batch_size, config.seq_len, seed=config.seed,
-                           device=device)
+                           device=device, skip=start)
 
     peak = PeakMemory(device)
     opt = make_optimizer(model, config)
@@ -466,22 +579,43 @@ def train(
         if callable(getattr(opt, "apply_governor", None)):
             governor.attach(opt)
     observe_loss = getattr(opt, "observe_loss", None)
+    flops, elapsed_before = 0.0, 0.0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["optimizer"])
+        schedule.load_state_dict(resume["schedule"])
+        if governor is not None:
+            governor.load_state_dict(resume["governor"])
+        torch.set_rng_state(resume["rng"])
+        flops, elapsed_before = float(resume["flops"]), float(resume["elapsed"])
 
     name = name or type(opt).__name__
     result = RunResult(name=name, optimizer=type(opt).__name__, config=dataclasses.asdict(config),
                        num_params=sum(p.numel() for p in model.parameters()),
                        flops_per_token=fpt, stop_reason="", wall_time=0.0, peak_memory=0,
                        peak_memory_kind=peak.kind)
-    flops = 0.0
-    started = time.perf_counter()
+    if resume is not None:
+        result.steps = [dict(r) for r in resume["result"]["steps"]]
+        result.evaluations = [dict(e) for e in resume["result"]["evaluations"]]
+    started = time.perf_counter() - elapsed_before
+
+    def finish(reason: str) -> RunResult:
+        result.stop_reason = result.stop_reason or reason
+        result.wall_time = time.perf_counter() - started
+        result.peak_memory = peak.read()
+        if governor is not None:
+            result.decisions = governor.history
+        result.optimizer_history = [dict(h) for h in getattr(opt, "history", [])]
+        return result
+
     if progress is True:
         progress = "bar" if sys.stderr.isatty() else "lines"
     if rank != 0:
         progress = False
-    bar = tqdm(total=config.steps, desc=name, unit="step", disable=progress != "bar",
-               leave=True)
-    with bar:
-        for step in range(1, config.steps + 1):
+
+    def _loop() -> None:
+        nonlocal flops
+        for step in range(start + 1, config.steps + 1):
             _synchronize(device)
             t0 = time.perf_counter()
             input_ids, labels = next(batches)
@@ -522,6 +656,13 @@ def train(
                 if hasattr(opt, attr):
                     record[attr] = getattr(opt, attr)
             result.steps.append(record)
+            if log is not None:
+                log(step, {"train/loss": train_loss, "train/lr": float(lr),
+                           "time/step_seconds": step_time,
+                           "memory/held_MB": memory["held_bytes"] / 2**20,
+                           "memory/state_MB": memory["state_bytes"] / 2**20,
+                           **{f"optimizer/{a}": record[a] for a in ("rho", "update_gap")
+                              if a in record}})
             if governor is not None:
                 governor.step(tokens, optimizer_flops=opt_flops)
 
@@ -538,6 +679,8 @@ def train(
                     print(f"{name}: step {step}/{config.steps}, train loss {train_loss:.4f}, "
                           f"val loss {val_loss:.4f}, {time.perf_counter() - started:.0f} s",
                           file=sys.stderr, flush=True)
+                if log is not None:
+                    log(step, {"val/loss": val_loss})
                 if observe_loss is not None:
                     observe_loss(val_loss)
                 if governor is not None:
@@ -550,13 +693,24 @@ def train(
                 postfix["val"] = f"{result.evaluations[-1]['val_loss']:.3f}"
             bar.set_postfix(postfix, refresh=False)
             bar.update(1)
+            if due and checkpoint is not None:
+                checkpoint({"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(config),
+                            "step": step, "model": model.state_dict(),
+                            "optimizer": opt.state_dict(), "schedule": schedule.state_dict(),
+                            "governor": None if governor is None else governor.state_dict(),
+                            "rng": torch.get_rng_state(), "flops": flops,
+                            "elapsed": time.perf_counter() - started,
+                            "result": {"steps": result.steps,
+                                       "evaluations": result.evaluations}})
             if decision is not None and decision.action == "stop":
                 result.stop_reason = f"governor stop at step {step}: {decision.reason}"
-                break
-    result.stop_reason = result.stop_reason or f"completed {config.steps} steps"
-    result.wall_time = time.perf_counter() - started
-    result.peak_memory = peak.read()
-    if governor is not None:
-        result.decisions = governor.history
-    result.optimizer_history = [dict(h) for h in getattr(opt, "history", [])]
-    return result
+                return
+    bar = tqdm(total=config.steps, initial=start, desc=name, unit="step",
+               disable=progress != "bar", leave=True)
+    try:
+        with bar:
+            _loop()
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(finish(f"interrupted after step {result.steps_done} of "
+                                         f"{config.steps}")) from None
+    return finish(f"completed {config.steps} steps")
