@@ -67,7 +67,8 @@ class Decision:
     ``gain_per_flop`` is ``G_t`` (``None`` until the window is full) and
     ``projected_improvement`` is ``G_t * remaining_flops / loss``, the relative loss
     improvement that spending the rest of the budget at the current rate would buy.
-    ``suggestion`` is set on ``"reallocate"``: factors for the optimizer's schedule.
+    ``suggestion`` is set on ``"reallocate"`` (factors for the optimizer's schedule) and on
+    ``"decay"`` (``decay_flops``: the FLOPs the learning-rate decay is given).
     """
 
     action: str
@@ -108,7 +109,7 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 class Governor:
-    """Compute governor: policy ``pi(state, remaining budget) -> continue | reallocate | stop``.
+    """Compute governor: policy ``pi(state, remaining budget) -> continue | reallocate | decay | stop``.
 
     At each evaluation ``t`` (a call of :meth:`observe`) with cumulative FLOPs ``F_t``, loss
     ``L_t`` and remaining budget ``R_t = flop_budget - F_t``:
@@ -141,6 +142,18 @@ class Governor:
     The cooldown defaults to ``window`` so that the next ``G`` is fitted on losses measured
     after the change only.
 
+    **With a warmup-stable-decay schedule** (``decay_fraction`` set), most of the final gain
+    comes in the decay ("cooldown") of the learning rate, so a run should not be cut in its
+    stable phase: the governor decides when the decay begins instead. Where rule 2 would
+    stop, or once the budget left could not pay for a decay of ``decay_fraction`` times the
+    FLOPs spent so far (``F_t * (1 + decay_fraction) >= flop_budget``), it answers
+    **decay**, with ``suggestion["decay_flops"]``, the FLOPs the decay is given
+    (``decay_fraction * F_t``, within the budget). The training loop then anneals its
+    learning rate over those FLOPs, and the governor answers **continue** until they are
+    spent, then **stop** ("decay done"). An ungoverned WSD run decays at the budget's
+    ``1 / (1 + decay_fraction)``; a run that plateaus earlier decays, and ends, earlier
+    (the FLOPs it saves).
+
     Args:
         flop_budget: total FLOPs the run may spend.
         flops_per_token: default model FLOPs per training token for :meth:`step`.
@@ -151,6 +164,9 @@ class Governor:
         reallocate_fraction: drop of ``G`` relative to ``G_ref`` that triggers a reallocation.
         cooldown: evaluations between two reallocations (default: ``window``).
         suggestion: what a reallocation proposes to the optimizer.
+        decay_fraction: the length of a learning-rate decay phase as a fraction of the
+            FLOPs spent before it (e.g. 0.25): the governor then decides when the decay
+            begins instead of stopping (see above). None: no decay phase.
     """
 
     def __init__(
@@ -164,6 +180,7 @@ class Governor:
         reallocate_fraction: float = 0.25,
         cooldown: Optional[int] = None,
         suggestion: Optional[dict[str, float]] = None,
+        decay_fraction: Optional[float] = None,
     ) -> None:
         # Every check before any assignment: a refused governor is never half-built. Each
         # number must be finite: a NaN threshold compares False everywhere and would switch
@@ -185,6 +202,9 @@ class Governor:
         if not (isinstance(reallocate_fraction, numbers.Real)
                 and 0.0 < reallocate_fraction < 1.0):
             raise ValueError(f"reallocate_fraction must lie in (0, 1), got {reallocate_fraction!r}")
+        if decay_fraction is not None and not _finite_positive(decay_fraction):
+            raise ValueError(
+                f"decay_fraction must be a finite positive number, got {decay_fraction!r}")
         if suggestion is not None:
             for key, factor in suggestion.items():
                 if not _finite_positive(factor):
@@ -200,6 +220,7 @@ class Governor:
         if suggestion is None:
             suggestion = {"update_gap_factor": 1.5, "rho_factor": 0.8}
         self.suggestion = dict(suggestion)
+        self.decay_fraction = None if decay_fraction is None else float(decay_fraction)
         self._attached: list[Any] = []
 
         self.spent_flops = 0.0
@@ -210,6 +231,8 @@ class Governor:
         self._below_streak = 0
         self._gain_ref: Optional[float] = None
         self._last_reallocation: Optional[int] = None
+        # FLOPs at which the decay phase ends, once the governor has started it.
+        self.decay_end: Optional[float] = None
 
     @property
     def remaining_flops(self) -> float:
@@ -292,14 +315,36 @@ class Governor:
                     optimizer.apply_governor(decision)
         return decision
 
+    @property
+    def decaying(self) -> bool:
+        """Whether the learning-rate decay the governor started is under way."""
+        return self.decay_end is not None
+
+    def _start_decay(self, d: Decision, why: str) -> None:
+        length = min(self.decay_fraction * d.flops, self.flop_budget - d.flops)
+        self.decay_end = d.flops + length
+        d.action = "decay"
+        d.reason = f"{why}; decay the learning rate over the next {length:.4g} FLOPs"
+        d.suggestion = {"decay_flops": length}
+
     def _decide(self, d: Decision) -> None:
         if not math.isfinite(d.loss):
             d.action, d.reason = "stop", f"loss is not finite ({d.loss})"
+            return
+        if self.decaying:
+            if d.flops >= self.decay_end or self.exhausted:
+                d.action, d.reason = "stop", f"decay done at {d.flops:.4g} FLOPs"
+            else:
+                d.reason = f"decaying until {self.decay_end:.4g} FLOPs"
             return
         if self.exhausted:
             d.action, d.reason = "stop", (
                 f"budget exhausted: {d.flops:.4g} of {self.flop_budget:.4g} FLOPs spent"
             )
+            return
+        if self.decay_fraction is not None and \
+                d.flops * (1.0 + self.decay_fraction) >= self.flop_budget:
+            self._start_decay(d, "the budget left pays for the decay and no more")
             return
         if len(self._points) < self.window:
             d.reason = f"filling the window: {len(self._points)} of {self.window} evaluations"
@@ -314,11 +359,13 @@ class Governor:
         else:
             self._below_streak = 0
         if self._below_streak >= self.patience:
-            d.action, d.reason = "stop", (
-                f"the rest of the budget would improve the loss by {d.projected_improvement:.3%} "
-                f"at the current rate, under {self.min_improvement:.3%}, for "
-                f"{self._below_streak} evaluations"
-            )
+            why = (f"the rest of the budget would improve the loss by "
+                   f"{d.projected_improvement:.3%} at the current rate, under "
+                   f"{self.min_improvement:.3%}, for {self._below_streak} evaluations")
+            if self.decay_fraction is not None:
+                self._start_decay(d, why)
+            else:
+                d.action, d.reason = "stop", why
             return
 
         if self._gain_ref is None:
@@ -354,6 +401,7 @@ class Governor:
             "below_streak": self._below_streak,
             "gain_ref": self._gain_ref,
             "last_reallocation": self._last_reallocation,
+            "decay_end": self.decay_end,
             "history": [dict(h) for h in self.history],
         }
 
@@ -365,4 +413,6 @@ class Governor:
         self._below_streak = int(state_dict["below_streak"])
         self._gain_ref = state_dict["gain_ref"]
         self._last_reallocation = state_dict["last_reallocation"]
+        # Saved before the decay phase existed: none had started.
+        self.decay_end = state_dict.get("decay_end")
         self.history = [dict(h) for h in state_dict["history"]]

@@ -310,3 +310,69 @@ def test_apply_governor_refuses_a_bad_factor_and_changes_nothing(factor):
         after = (opt.update_gap if hasattr(opt, "update_gap") else None, list(opt.history),
                  getattr(opt, "_switch_every", None))
         assert after == before
+
+
+# A warmup-stable-decay schedule: the governor decides when the decay begins (issue 28).
+
+DECAY = 0.25
+
+
+def _run_decay(curve, seed=0):
+    governor = Governor(BUDGET, decay_fraction=DECAY)
+    decisions = run(curve, governor=governor, noise=1e-3, seed=seed)
+    return governor, decisions
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_plateau_starts_the_decay_early_and_the_run_ends_after_it(seed):
+    governor, decisions = _run_decay(plateau, seed)
+    actions = [d.action for d in decisions]
+    assert actions.count("decay") == 1 and actions[-1] == "stop"
+    start = decisions[actions.index("decay")]
+    assert "would improve the loss" in start.reason
+    # the plateau begins at 0.35 of the budget: the decay starts well before the
+    # budget's 1 / (1 + 0.25) = 0.8, and is a quarter of what was spent before it
+    assert start.flops < 0.6 * BUDGET
+    assert start.suggestion["decay_flops"] == pytest.approx(DECAY * start.flops)
+    assert governor.decay_end == pytest.approx(start.flops * (1 + DECAY))
+    # the decay runs to its end, then the run stops: the FLOPs saved are the rest
+    assert all(a == "continue" for a in actions[actions.index("decay") + 1:-1])
+    assert decisions[-1].reason.startswith("decay done")
+    assert decisions[-1].flops >= governor.decay_end
+    assert decisions[-1].flops < 0.8 * BUDGET
+
+
+def test_a_steady_run_decays_when_the_budget_only_pays_for_the_decay():
+    governor, decisions = _run_decay(steady)
+    start = next(d for d in decisions if d.action == "decay")
+    assert start.reason.startswith("the budget left pays for the decay")
+    assert start.flops * (1 + DECAY) >= BUDGET
+    assert start.flops == pytest.approx(BUDGET / (1 + DECAY), rel=0.02)
+    assert decisions[-1].action == "stop"
+    assert decisions[-1].flops <= BUDGET + BUDGET / EVALUATIONS
+
+
+def test_without_a_decay_phase_a_plateau_stops_as_before():
+    decisions = run(plateau, governor=Governor(BUDGET), noise=1e-3)
+    assert "decay" not in [d.action for d in decisions]
+    assert decisions[-1].action == "stop"
+
+
+def test_the_decay_phase_resumes_from_a_state_dict():
+    governor, decisions = _run_decay(plateau)
+    start = [d.action for d in decisions].index("decay")
+    # replay up to just after the decay started, save, load into a new governor
+    first = Governor(BUDGET, decay_fraction=DECAY)
+    for d in decisions[:start + 1]:
+        first.observe(d.loss, flops=d.flops)
+    second = Governor(BUDGET, decay_fraction=DECAY)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert second.decaying and second.decay_end == first.decay_end
+    for d in decisions[start + 1:]:
+        assert second.observe(d.loss, flops=d.flops).action == d.action
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, float("nan"), float("inf")])
+def test_a_bad_decay_fraction_is_refused(fraction):
+    with pytest.raises(ValueError, match="decay_fraction"):
+        Governor(BUDGET, decay_fraction=fraction)

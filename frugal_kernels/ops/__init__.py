@@ -17,7 +17,9 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
 - :func:`dequantize` — packed INT-n codes back to the float weight (the read
   side of ``nn.QuantLinear``; out of place);
 - :func:`quant_matmul` — ``a @ W.T + bias`` (or ``a @ W``) with ``W`` read from its
-  packed INT-n codes inside the GEMM (``nn.QuantLinear`` on a GPU; out of place).
+  packed INT-n codes inside the GEMM (``nn.QuantLinear`` on a GPU; out of place);
+- :func:`grad_norm` — the global norm of a list of gradients and their non-finite
+  flag in one read (the optimizers' ``clip_grad_norm_`` and skip check; out of place).
 
 The registered operators are ``torch.ops.frugal.<op>``; the functions here
 accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
@@ -34,6 +36,7 @@ from frugal_kernels.ops.adamw import adamw_
 from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
+from frugal_kernels.ops.grad_norm import grad_norm
 from frugal_kernels.ops.lowrank_adamw_step import lowrank_adamw_step_
 from frugal_kernels.ops.lowrank_step import lowrank_step_
 from frugal_kernels.ops.quant_matmul import quant_matmul
@@ -48,15 +51,14 @@ SPECS = {m.SPEC.name: m.SPEC for m in (adamw, sign_sgd, sgd, frugal_step, lowran
 # without its metadata checks and torch.library's dispatch (``unchecked.<op>``), and
 # its prepared call over fixed tensors (``unchecked.prepare_<op>``, for the ops whose
 # backends gather their fixed tensors once, the calls whose only new tensors at each step
-# are the gradients). Not for torch.compile
-# (its graphs call the registered ops) and not for users: a mismatched call here is
-# undefined, where the public ops raise.
+# are the gradients). Not for torch.compile (its graphs call the registered ops) and not
+# for users: a mismatched call here is undefined, where the public ops raise.
 unchecked = SimpleNamespace(**{name: spec.unchecked for name, spec in SPECS.items()},
                             **{f"prepare_{name}": spec.prepare for name, spec in SPECS.items()
                                if spec.prepares})
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
-           "dqt_update_", "dequantize", "quant_matmul",
+           "dqt_update_", "dequantize", "quant_matmul", "grad_norm",
            "BACKENDS", "CAPABILITIES", "SPECS", "unchecked",
            "SIZE_LIMITS", "implements", "kernel_backend", "resolve", "usable_backends",
            "worth_calling"]

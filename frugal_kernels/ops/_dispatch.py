@@ -42,6 +42,8 @@ CAPABILITIES = {
     "frugal::dequantize": frozenset(("cpu", "triton", "torch")),
     # QuantLinear's CPU path is its own blocked dequantize-then-GEMM: no C++ kernel.
     "frugal::quant_matmul": frozenset(("triton", "torch")),
+    # The global gradient norm and non-finite flag (out of place).
+    "frugal::grad_norm": frozenset(("cpu", "triton", "torch")),
 }
 
 # Ops worth calling on tensors of a device type only up to a size, (op, device type) ->
