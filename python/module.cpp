@@ -181,14 +181,14 @@ struct Batch {
     }
   }
 
-  cpu::TensorBatch view() const {
-    return cpu::TensorBatch{int64_t(numel.size()), params.data(), grads.data(),
+  TensorBatch view() const {
+    return TensorBatch{int64_t(numel.size()), params.data(), grads.data(),
                             exp_avgs.data(), exp_avg_sqs.data(), numel.data()};
   }
 
   // The view for an op that updates the moments, which must then be given
   // (empty lists would hand the kernel null pointers).
-  cpu::TensorBatch view_with_moments() const {
+  TensorBatch view_with_moments() const {
     check_count("TensorBatch exp_avgs", exp_avgs.size(), numel.size());
     check_count("TensorBatch exp_avg_sqs", exp_avg_sqs.size(), numel.size());
     return view();
@@ -214,9 +214,9 @@ struct Subsets {
     check_count("SubsetBatch k", k.size(), indices.size());
   }
 
-  cpu::SubsetBatch view(const Batch& b) const {
+  SubsetBatch view(const Batch& b) const {
     check_count("SubsetBatch indices", indices.size(), b.numel.size());
-    return cpu::SubsetBatch{kind, index_is_int32, indices.data(), rows.data(), cols.data(),
+    return SubsetBatch{kind, index_is_int32, indices.data(), rows.data(), cols.data(),
                             k.data()};
   }
 };
@@ -238,9 +238,9 @@ struct Projections {
     }
   }
 
-  cpu::LowrankBatch view(const Batch& b) const {
+  LowrankBatch view(const Batch& b) const {
     check_count("LowrankBatch projections", projections.size(), b.numel.size());
-    return cpu::LowrankBatch{projections.data(), rows.data(), cols.data(), rank.data(),
+    return LowrankBatch{projections.data(), rows.data(), cols.data(), rank.data(),
                              sides.data()};
   }
 };
@@ -260,9 +260,9 @@ struct Quant {
     check_count("QuantBatch seeds", seeds.size(), scales.size());
   }
 
-  cpu::QuantBatch view(const Batch& b) const {
+  QuantBatch view(const Batch& b) const {
     check_count("QuantBatch scales", scales.size(), b.numel.size());
-    return cpu::QuantBatch{scales.data(), scale_count.data(), rows.data(), cols.data(),
+    return QuantBatch{scales.data(), scale_count.data(), rows.data(), cols.data(),
                            seeds.data()};
   }
 };
@@ -386,33 +386,33 @@ PYBIND11_MODULE(_C, m) {
   // ------------------------------------------------------------------ cpu
 
   m.def("adamw_cpu", [](const Batch& b, const AdamWHyper& h, int num_threads) {
-    const cpu::TensorBatch t = b.view_with_moments();
+    const TensorBatch t = b.view_with_moments();
     py::gil_scoped_release nogil;
     cpu::adamw(t, b.dtype, h, num_threads);
   });
   m.def("sign_sgd_cpu", [](const Batch& b, const SignSgdHyper& h, int num_threads) {
-    const cpu::TensorBatch t = b.view();
+    const TensorBatch t = b.view();
     py::gil_scoped_release nogil;
     cpu::sign_sgd(t, b.dtype, h, num_threads);
   });
   m.def("sgd_cpu", [](const Batch& b, const SgdHyper& h, int num_threads) {
     // The momentum buffers, in the exp_avgs slot, are needed only with momentum.
     if (h.momentum != 0.0) check_count("TensorBatch exp_avgs", b.exp_avgs.size(), b.numel.size());
-    const cpu::TensorBatch t = b.view();
+    const TensorBatch t = b.view();
     py::gil_scoped_release nogil;
     cpu::sgd(t, b.dtype, h, num_threads);
   });
   m.def("frugal_step_cpu",
         [](const Batch& b, const Subsets& s, const FrugalHyper& h, int num_threads) {
-          const cpu::TensorBatch t = b.view_with_moments();
-          const cpu::SubsetBatch sub = s.view(b);
+          const TensorBatch t = b.view_with_moments();
+          const SubsetBatch sub = s.view(b);
           py::gil_scoped_release nogil;
           cpu::frugal_step(t, sub, b.dtype, h, num_threads);
         });
   // up_updates / up_grads: the fp32 back-projections, one per tensor.
   m.def("lowrank_step_cpu", [](const Batch& b, const Addresses& up_updates,
                                const Addresses& up_grads, const LowrankHyper& h, int num_threads) {
-    const cpu::TensorBatch t = b.view();
+    const TensorBatch t = b.view();
     check_count("lowrank_step_cpu up_updates", up_updates.size(), b.numel.size());
     check_count("lowrank_step_cpu up_grads", up_grads.size(), b.numel.size());
     const auto uu = as_pointers<const float*>(up_updates);
@@ -422,8 +422,8 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("lowrank_adamw_step_cpu", [](const Batch& b, const Projections& l, const FrugalHyper& h,
                                      int num_threads) {
-    const cpu::TensorBatch t = b.view_with_moments();
-    const cpu::LowrankBatch lb = l.view(b);
+    const TensorBatch t = b.view_with_moments();
+    const LowrankBatch lb = l.view(b);
     py::gil_scoped_release nogil;
     cpu::lowrank_adamw_step(t, lb, b.dtype, h, num_threads);
   });
@@ -431,9 +431,9 @@ PYBIND11_MODULE(_C, m) {
   // The batch's params are the packed codes and its dtype the gradients'.
   m.def("dqt_update_cpu", [](const Batch& b, const Subsets& s, const Quant& q, const DqtHyper& h,
                              int num_threads) {
-    const cpu::TensorBatch t = b.view_with_moments();
-    const cpu::SubsetBatch sub = s.view(b);
-    const cpu::QuantBatch quant = q.view(b);
+    const TensorBatch t = b.view_with_moments();
+    const SubsetBatch sub = s.view(b);
+    const QuantBatch quant = q.view(b);
     py::gil_scoped_release nogil;
     cpu::dqt_update(t, sub, quant, b.dtype, h, num_threads);
   });
@@ -469,28 +469,28 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("adamw_cuda_emulated",
         [](const Batch& b, const AdamWHyper& h, const cuda::DeviceScalars& d) {
-          const cpu::TensorBatch t = b.view_with_moments();
+          const TensorBatch t = b.view_with_moments();
           py::gil_scoped_release nogil;
           return cuda_emulated::adamw(t, b.dtype, h, d);
         });
   m.def("sign_sgd_cuda_emulated",
         [](const Batch& b, const SignSgdHyper& h, const cuda::DeviceScalars& d) {
-          const cpu::TensorBatch t = b.view();
+          const TensorBatch t = b.view();
           py::gil_scoped_release nogil;
           return cuda_emulated::sign_sgd(t, b.dtype, h, d);
         });
   m.def("frugal_step_cuda_emulated",
         [](const Batch& b, const Subsets& s, const FrugalHyper& h, const cuda::DeviceScalars& d) {
-          const cpu::TensorBatch t = b.view_with_moments();
-          const cpu::SubsetBatch sub = s.view(b);
+          const TensorBatch t = b.view_with_moments();
+          const SubsetBatch sub = s.view(b);
           py::gil_scoped_release nogil;
           return cuda_emulated::frugal_step(t, sub, b.dtype, h, d);
         });
   m.def("dqt_update_cuda_emulated", [](const Batch& b, const Subsets& s, const Quant& q,
                                         const DqtHyper& h, const cuda::DeviceScalars& d) {
-    const cpu::TensorBatch t = b.view_with_moments();
-    const cpu::SubsetBatch sub = s.view(b);
-    const cpu::QuantBatch quant = q.view(b);
+    const TensorBatch t = b.view_with_moments();
+    const SubsetBatch sub = s.view(b);
+    const QuantBatch quant = q.view(b);
     py::gil_scoped_release nogil;
     return cuda_emulated::dqt_update(t, sub, quant, b.dtype, h, d);
   });
@@ -500,28 +500,28 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("adamw_cuda", [](const Batch& b, const AdamWHyper& h, const cuda::DeviceScalars& d,
                          uintptr_t stream) {
-    const cpu::TensorBatch t = b.view_with_moments();
+    const TensorBatch t = b.view_with_moments();
     py::gil_scoped_release nogil;
     cuda::adamw(t, b.dtype, h, d, stream);
   });
   m.def("sign_sgd_cuda", [](const Batch& b, const SignSgdHyper& h, const cuda::DeviceScalars& d,
                             uintptr_t stream) {
-    const cpu::TensorBatch t = b.view();
+    const TensorBatch t = b.view();
     py::gil_scoped_release nogil;
     cuda::sign_sgd(t, b.dtype, h, d, stream);
   });
   m.def("frugal_step_cuda", [](const Batch& b, const Subsets& s, const FrugalHyper& h,
                                const cuda::DeviceScalars& d, uintptr_t stream) {
-    const cpu::TensorBatch t = b.view_with_moments();
-    const cpu::SubsetBatch sub = s.view(b);
+    const TensorBatch t = b.view_with_moments();
+    const SubsetBatch sub = s.view(b);
     py::gil_scoped_release nogil;
     cuda::frugal_step(t, sub, b.dtype, h, d, stream);
   });
   m.def("dqt_update_cuda", [](const Batch& b, const Subsets& s, const Quant& q, const DqtHyper& h,
                               const cuda::DeviceScalars& d, uintptr_t stream) {
-    const cpu::TensorBatch t = b.view_with_moments();
-    const cpu::SubsetBatch sub = s.view(b);
-    const cpu::QuantBatch quant = q.view(b);
+    const TensorBatch t = b.view_with_moments();
+    const SubsetBatch sub = s.view(b);
+    const QuantBatch quant = q.view(b);
     py::gil_scoped_release nogil;
     cuda::dqt_update(t, sub, quant, b.dtype, h, d, stream);
   });

@@ -5,6 +5,10 @@ read from the source with ast and checked against the table below: a module
 may import its own layer group and the groups of lower layers, never a group
 of its own layer or of a higher one; and no module reaches into another
 module's private names (``from x import _name``) outside its own package.
+
+One table says which backend runs what: ``frugal_kernels/ops/_dispatch.py``. A list,
+tuple, set or dict of backend names written anywhere else in the package is a second
+copy of it that drifts (the optimizers and modules ask the table instead).
 """
 
 from __future__ import annotations
@@ -153,3 +157,68 @@ def test_the_check_catches_wrong_arrows(tmp_path, monkeypatch, source, expected)
     target.write_text(expected + "\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
     assert violations(target), f"{source}: {expected!r} was not caught"
+
+
+# ---------------------------------------------------------------- backend lists
+
+BACKEND_NAMES = {"cpu", "cuda", "triton", "torch"}
+DEVICE_TYPES = {"cpu", "cuda"}  # backend names that also name devices
+CAPABILITY_TABLE = "frugal_kernels.ops._dispatch"
+
+
+def backend_lists(path: Path) -> List[str]:
+    """Collections written in ``path`` that list backends: every string in them a backend
+    name (or ``"auto"``), two or more of them, at least one no device type (a list of
+    devices is not a list of backends; a record with a "cpu" and a "torch" key among
+    others is neither)."""
+    if module_name(path) == CAPABILITY_TABLE:
+        return []
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = node.elts
+        elif isinstance(node, ast.Dict):
+            items = [k for k in node.keys if k is not None]
+        else:
+            continue
+        strings = {i.value for i in items
+                   if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+        names = strings & BACKEND_NAMES
+        if len(names) >= 2 and names - DEVICE_TYPES and strings <= BACKEND_NAMES | {"auto"}:
+            found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+                         f"{ast.unparse(node)[:80]} lists backends outside {CAPABILITY_TABLE}")
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_backends_are_listed_in_the_capability_table_only(path):
+    assert backend_lists(path) == []
+
+
+@pytest.mark.parametrize("source,planted", [
+    # what the plans and projections had: the backends of an op restated
+    ("optim/plan.py", '_FUSED_BACKENDS = ("auto", "cpu", "torch")'),
+    ("nn/x.py", 'def f(backend):\n    return backend in {"triton", "cuda"}'),
+    # an op's implementations keyed by backend instead of declared on its spec
+    ("ops/x.py", '_IMPLS = {"cpu": f, "triton": g, "torch": h}'),
+    ("bench/x.py", 'for backend in ["cuda", "triton"]:\n    pass'),
+])
+def test_the_check_catches_backend_lists(tmp_path, monkeypatch, source, planted):
+    fake_root = tmp_path / PACKAGE
+    target = fake_root / source
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(planted + "\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
+    assert backend_lists(target), f"{source}: {planted!r} was not caught"
+
+
+def test_the_backend_check_lets_device_lists_and_the_table_be(tmp_path, monkeypatch):
+    fake_root = tmp_path / PACKAGE
+    devices = fake_root / "bench" / "x.py"
+    table = fake_root / "ops" / "_dispatch.py"
+    for path, text in ((devices, 'DEVICES = ("cpu", "cuda")'),
+                       (table, 'BACKENDS = ("cpu", "cuda", "triton", "torch")')):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
+    assert backend_lists(devices) == [] and backend_lists(table) == []

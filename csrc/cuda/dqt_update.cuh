@@ -102,7 +102,7 @@ struct DqtBlock {
   int tiles;
   int bits;
   uint32_t key;
-  cpu::FrugalScalars s;
+  FrugalScalars s;
 
   FK_HOST_DEVICE DqtBlock(const DqtMeta& meta, const DqtArgs& args, int block) {
     const BlockRange r = meta.range(block, kDqtChunk);

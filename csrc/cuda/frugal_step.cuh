@@ -40,7 +40,7 @@ struct FrugalMeta : LaunchMap<24, 320> {
 };
 
 struct FrugalArgs {
-  cpu::FrugalScalars scalars;
+  FrugalScalars scalars;
   AdamWHyper hyper;
   double state_free_scale;
   DeviceScalars device;
@@ -51,12 +51,12 @@ static_assert(sizeof(FrugalMeta) + sizeof(FrugalArgs) <= kMaxParamBytes,
               "frugal_step_ kernel parameters exceed 4 KB");
 
 inline FrugalArgs frugal_args(const SubsetBatch& sub, const FrugalHyper& h, const DeviceScalars& d) {
-  return FrugalArgs{cpu::frugal_scalars(h), h.adamw, h.state_free_scale, d, sub.kind};
+  return FrugalArgs{frugal_scalars(h), h.adamw, h.state_free_scale, d, sub.kind};
 }
 
-FK_HOST_DEVICE cpu::FrugalScalars resolve(const FrugalArgs& a) {
+FK_HOST_DEVICE FrugalScalars resolve(const FrugalArgs& a) {
   if (!on_device(a.device)) return a.scalars;
-  return cpu::frugal_scalars(
+  return frugal_scalars(
       FrugalHyper{resolve_hyper(a.hyper, a.device), a.state_free_scale, a.scalars.mode});
 }
 
@@ -105,7 +105,7 @@ struct FrugalBlock {
   int64_t end;
   int tiles;
   bool aligned;
-  cpu::FrugalScalars s;
+  FrugalScalars s;
 
   FK_HOST_DEVICE FrugalBlock(const FrugalMeta& meta, const FrugalArgs& args, int block) {
     const BlockRange r = meta.range(block, kFrugalChunk);

@@ -9,14 +9,14 @@
 
 #include <cstdint>
 
-#include "../cpu/kernels.h"
+#include "frugal/batch.h"
+#include "frugal/common.h"
+#include "frugal/frugal_tile.h"
+#include "frugal/quant.h"
+#include "frugal/update_rules.h"
 
 namespace frugal {
 namespace cuda {
-
-using cpu::QuantBatch;
-using cpu::SubsetBatch;
-using cpu::TensorBatch;
 
 // Hyper-parameters that may live on the device (a 0-dim float32 tensor each,
 // as torch's capturable optimizers keep lr and step, and GradScaler its scale
@@ -62,10 +62,6 @@ LaunchLimits dqt_update_limits();
 // DeviceScalars are host addresses here). Each returns the number of launches
 // the call made, so that tests can tell which limits of the planner they hit.
 namespace cuda_emulated {
-
-using cpu::QuantBatch;
-using cpu::SubsetBatch;
-using cpu::TensorBatch;
 
 int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const cuda::DeviceScalars& d);
 int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,

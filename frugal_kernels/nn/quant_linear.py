@@ -46,10 +46,7 @@ def _fused_backend(device: torch.device) -> Optional[str]:
     or None for the blocked dequantize-then-GEMM (the CPU, which has no fused kernel:
     its blocks go through the BLAS GEMM; also a GPU whose ``auto`` is not triton,
     as under ``FRUGAL_BACKEND=torch`` or without triton installed)."""
-    if device.type != "cuda":
-        return None
-    backend = ops.resolve("auto", device, "frugal::quant_matmul")
-    return backend if backend == "triton" else None
+    return ops.kernel_backend("frugal::quant_matmul", device)
 
 
 def linear_forward(x: Tensor, codes: Tensor, scale: Tensor, bias: Optional[Tensor],

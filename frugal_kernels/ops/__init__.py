@@ -25,7 +25,13 @@ The registered operators are ``torch.ops.frugal.<op>``; the functions here
 accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
 """
 
-from frugal_kernels.ops._dispatch import BACKENDS, CAPABILITIES, resolve, usable_backends
+from types import SimpleNamespace
+
+from frugal_kernels.ops import (adamw, dqt_update, frugal_step, lowrank_adamw_step, lowrank_step,
+                                sgd, sign_sgd)
+from frugal_kernels.ops._dispatch import (BACKENDS, CAPABILITIES, SIZE_LIMITS, implements,
+                                         kernel_backend, resolve, usable_backends,
+                                         worth_calling)
 from frugal_kernels.ops.adamw import adamw_
 from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
@@ -37,7 +43,22 @@ from frugal_kernels.ops.quant_matmul import quant_matmul
 from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
+# Every in-place op's declaration (frugal_kernels.ops._spec), by name.
+SPECS = {m.SPEC.name: m.SPEC for m in (adamw, sign_sgd, sgd, frugal_step, lowrank_step,
+                                       lowrank_adamw_step, dqt_update)}
+
+# What the optimizers' plans call once a bucket's call was checked: each op's body
+# without its metadata checks and torch.library's dispatch (``unchecked.<op>``), and
+# its prepared call over fixed tensors (``unchecked.prepare_<op>``, for the ops whose
+# backends gather their fixed tensors once, the calls whose only new tensors at each step
+# are the gradients). Not for torch.compile (its graphs call the registered ops) and not
+# for users: a mismatched call here is undefined, where the public ops raise.
+unchecked = SimpleNamespace(**{name: spec.unchecked for name, spec in SPECS.items()},
+                            **{f"prepare_{name}": spec.prepare for name, spec in SPECS.items()
+                               if spec.prepares})
+
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
            "dqt_update_", "dequantize", "quant_matmul", "grad_norm",
-           "BACKENDS", "CAPABILITIES",
-           "resolve", "usable_backends"]
+           "BACKENDS", "CAPABILITIES", "SPECS", "unchecked",
+           "SIZE_LIMITS", "implements", "kernel_backend", "resolve", "usable_backends",
+           "worth_calling"]

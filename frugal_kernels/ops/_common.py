@@ -163,12 +163,13 @@ _KERNEL_DEFAULTS = {"grad_scale": 1.0, "found_inf": 0.0}
 class Hyper:
     """The hyper-parameters of one op call, built once in the op body.
 
-    One subclass per op; its fields are the scalars of the op schema under
-    their schema names (``lr`` and ``step`` as the schema's 0-dim tensors),
-    and its name is the name of its struct in ``_C``. Every backend takes the
-    op's tensors and this record and passes the record on in the form it
-    needs, so a new hyper-parameter touches the schema, the record, the
-    struct and the math, and no backend.
+    One subclass per op, made from the op's declaration
+    (:class:`frugal_kernels.ops._spec.OpSpec`); its fields are the scalars of the
+    op schema under their schema names (``lr`` and ``step`` as the schema's 0-dim
+    tensors), and its name is the name of its struct in ``_C``. Every backend
+    takes the op's tensors and this record and passes the record on in the form
+    it needs, so a new hyper-parameter touches the op's declaration, the struct
+    and the math, and no backend.
     """
 
     def values(self) -> Dict[str, Any]:

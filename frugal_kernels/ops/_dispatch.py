@@ -1,5 +1,11 @@
 """Which backend runs an op: the capability table and the choice.
 
+This module is the only place that says which backend runs what (tests/test_layers.py
+refuses a list of backends anywhere else in the package): each op's declaration
+(:mod:`frugal_kernels.ops._spec`) implements exactly the backends listed here, and the
+optimizers and modules ask here (:func:`implements`, :func:`worth_calling`,
+:func:`kernel_backend`) rather than list backends of their own.
+
 ``backend="auto"`` picks cuda > triton > torch for tensors on a GPU and
 cpu > torch for tensors on the CPU; the ``FRUGAL_BACKEND`` environment
 variable overrides the automatic choice. Asking for a backend that cannot run
@@ -18,6 +24,7 @@ import torch
 from frugal_kernels._extension import extension
 
 BACKENDS = ("cpu", "cuda", "triton", "torch")
+REFERENCE = "torch"  # the backend that is the readable ground truth, and runs anywhere
 _AUTO_ORDER = {"cpu": ("cpu", "torch"), "cuda": ("cuda", "triton", "torch")}
 
 # Which backends implement each op (the others fall through in "auto").
@@ -37,6 +44,17 @@ CAPABILITIES = {
     "frugal::quant_matmul": frozenset(("triton", "torch")),
     # The global gradient norm and non-finite flag (out of place).
     "frugal::grad_norm": frozenset(("cpu", "triton", "torch")),
+}
+
+# Ops worth calling on tensors of a device type only up to a size, (op, device type) ->
+# the largest size. lowrank_adamw_step_ on the CPU runs its GEMMs as plain loops: the
+# size is rows * cols * rank (the multiply-adds of one of its three GEMMs) of a matrix,
+# above which torch's GEMMs and the two-op path (~5 calls per tensor) cost less. Measured
+# at 1 thread, 8 tensors a step, per tensor: 64x64 rank 16 (2^16) 92 us one call vs 109 us
+# with torch's GEMMs; 128x128 rank 8 (2^17) 160 vs 172; 128x128 rank 32 568 vs 193. On
+# other devices it has no kernel (auto picks the reference): never worth it there.
+SIZE_LIMITS = {
+    ("frugal::lowrank_adamw_step_", "cpu"): 1 << 16,
 }
 
 
@@ -84,6 +102,26 @@ def usable_backends(device_type: str, op: Optional[str] = None) -> list:
     order = _AUTO_ORDER.get(device_type, ("torch",))
     rest = [b for b in BACKENDS if b not in order]
     return [b for b in (*order, *rest) if unavailable_reason(b, device_type, op) is None]
+
+
+def implements(op: str, backend: str) -> bool:
+    """Whether a call of ``op`` with ``backend`` (``"auto"`` included) has an implementation
+    to run (``"auto"`` always has: the reference at worst)."""
+    return backend == "auto" or backend in CAPABILITIES[op]
+
+
+def worth_calling(op: str, device: torch.device, size: int) -> bool:
+    """Whether ``op`` is the fast way for a call of ``size`` on ``device`` tensors, for
+    the ops that pay only up to a size (:data:`SIZE_LIMITS`)."""
+    limit = SIZE_LIMITS.get((op, device.type))
+    return limit is not None and size <= limit
+
+
+def kernel_backend(op: str, device: torch.device) -> Optional[str]:
+    """The backend ``"auto"`` picks for ``op`` on ``device`` tensors, or None where that is
+    the reference: no kernel runs ``op`` there."""
+    backend = resolve("auto", device, op)
+    return None if backend == REFERENCE else backend
 
 
 def resolve(backend: str, device: torch.device, op: str) -> str:

@@ -20,9 +20,11 @@ from frugal_kernels import _quant, reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import DTYPE_CODES, PARAM_DTYPES
 from frugal_kernels.ops import _dispatch
+from frugal_kernels.ops._spec import Implementations
 from frugal_kernels.ops._common import check_no_overlap
 
 OP = "frugal::dequantize"
+_IMPLS = Implementations(OP)  # its backends, declared below each
 
 
 def _check(out: Tensor, codes: Tensor, scales: Tensor, bits: int, backend: str) -> None:
@@ -64,6 +66,7 @@ def _dequantize_op(out: Tensor, codes: Tensor, scales: Tensor, bits: int, backen
 _dequantize_op.register_fake(_check)
 
 
+@_IMPLS.backend("cpu")
 def _cpu(codes: Tensor, scales: Tensor, bits: int, out: Tensor) -> None:
     rows, cols = out.shape
     extension().dequantize_cpu(codes.data_ptr(), scales.data_ptr(), scales.numel(), rows, cols,
@@ -71,16 +74,18 @@ def _cpu(codes: Tensor, scales: Tensor, bits: int, out: Tensor) -> None:
                                torch.get_num_threads())
 
 
+@_IMPLS.backend("torch")
 def _torch(codes: Tensor, scales: Tensor, bits: int, out: Tensor) -> None:
     out.copy_(reference.dequantize(codes, scales, bits=bits, cols=out.shape[1], dtype=out.dtype))
 
 
+@_IMPLS.backend("triton")
 def _triton(codes: Tensor, scales: Tensor, bits: int, out: Tensor) -> None:
     from frugal_kernels.kernels.triton.dequantize import dequantize as kernel
     kernel(codes, scales, bits, out)
 
 
-_IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
+_IMPLS.complete()
 
 
 def dequantize(codes: Tensor, scales: Tensor, *, bits: int, cols: int,

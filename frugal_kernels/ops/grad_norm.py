@@ -26,8 +26,10 @@ from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import DTYPE_CODES, PARAM_DTYPES
 from frugal_kernels.ops import _dispatch
+from frugal_kernels.ops._spec import Implementations
 
 OP = "frugal::grad_norm"
+_IMPLS = Implementations(OP)  # its backends, declared below each
 
 
 def _check(grads: List[Tensor], norm_type: float, backend: str) -> None:
@@ -64,6 +66,7 @@ def _grad_norm_op(grads: List[Tensor], norm_type: float, backend: str) -> Tuple[
 _grad_norm_op.register_fake(_fake)
 
 
+@_IMPLS.backend("cpu")
 def _cpu(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
     ext, max_norm = extension(), math.isinf(norm_type)
     by_dtype = defaultdict(list)
@@ -80,16 +83,18 @@ def _cpu(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
             torch.tensor([0.0 if math.isfinite(norm) else 1.0], dtype=torch.float32))
 
 
+@_IMPLS.backend("triton")
 def _triton(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
     from frugal_kernels.kernels.triton.grad_norm import grad_norm as kernel
     return kernel(grads, math.isinf(norm_type))
 
 
+@_IMPLS.backend("torch")
 def _torch(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
     return reference.grad_norm(grads, norm_type=norm_type)
 
 
-_IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
+_IMPLS.complete()
 
 
 def grad_norm(grads: Sequence[Tensor], *, norm_type: float = 2.0,

@@ -16,50 +16,22 @@ pass; ``torch`` is the reference. There is no ``cuda`` backend: on GPUs
 
 from __future__ import annotations
 
-import dataclasses
-from typing import List, NamedTuple, Optional, Sequence
-
 import torch
 from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
-from frugal_kernels._layout import (LEFT, RIGHT, SIDES, STATE_FREE_RULES, back_project,
-                                    projection_rank, projection_shapes)
-from frugal_kernels.ops import _dispatch
-from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_batch, check_finite,
-                                        check_amp, check_no_overlap, check_scalars,
-                                        skipped_on_host, kernel_batch)
+from frugal_kernels._layout import (LEFT, RIGHT, SIDES, back_project, projection_rank,
+                                    projection_shapes)
+from frugal_kernels.ops._common import check_batch, kernel_batch
+from frugal_kernels.ops._spec import OpSpec, amp, ints, real, scalar, tensors
+from frugal_kernels.ops.frugal_step import state_free_hyper
 
 OP = "frugal::lowrank_step_"
 
 
-class Tensors(NamedTuple):
-    params: List[Tensor]
-    grads: List[Tensor]
-    low_updates: List[Tensor]
-    low_grads: List[Tensor]
-    projections: List[Tensor]
-    sides: List[int]
-
-
-@dataclasses.dataclass(frozen=True)
-class LowrankHyper(Hyper):
-    lr: Tensor
-    weight_decay: float
-    state_free: str
-    state_free_scale: float
-    grad_scale: Optional[Tensor]  # GradScaler's scale, divided out of the gradients
-    found_inf: Optional[Tensor]  # GradScaler's: non-zero leaves everything untouched
-
-
-def _check(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
-           state_free, state_free_scale, grad_scale, found_inf, backend) -> None:
-    """The metadata checks, with the op's signature: also its fake kernel."""
-    check_amp(OP, grad_scale, found_inf)
-    if state_free not in STATE_FREE_RULES:
-        raise ValueError(f"{OP}: state_free must be one of {', '.join(STATE_FREE_RULES)}; "
-                         f"got {state_free!r}")
+def _check(op: str, a) -> None:
+    params, grads, low_updates, low_grads, projections, sides = a[:6]
     n = len(params)
     for name, lst in (("low_updates", low_updates), ("low_grads", low_grads),
                       ("projections", projections), ("sides", sides)):
@@ -86,47 +58,19 @@ def _check(params, grads, low_updates, low_grads, projections, sides, lr, weight
             if tuple(t.shape) != want:
                 raise ValueError(f"{OP}: {name}[{i}] has shape {tuple(t.shape)} but must have "
                                  f"shape {want} for params[{i}] of shape {tuple(p.shape)}")
-    check_finite(OP, weight_decay=weight_decay, state_free_scale=state_free_scale)
 
 
-@torch.library.custom_op(OP, mutates_args=("params",))
-def _lowrank_step_op(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
-                     low_grads: List[Tensor], projections: List[Tensor], sides: List[int],
-                     lr: Tensor, weight_decay: float, state_free: str, state_free_scale: float,
-                     grad_scale: Optional[Tensor],
-                     found_inf: Optional[Tensor], backend: str) -> None:
-    _check(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
-           state_free, state_free_scale, grad_scale, found_inf, backend)
-    check_no_overlap(OP, written={"params": params},
-                     read={"grads": grads, "low_updates": low_updates, "low_grads": low_grads,
-                      "projections": projections})
-    apply(params, grads, low_updates, low_grads, projections, sides, lr, weight_decay,
-          state_free, state_free_scale, grad_scale, found_inf, backend)
+# Every input but the params is only read: the kernels get contiguous copies where
+# needed (the Triton kernel walks them as row-major matrices and read a transposed
+# projection as the wrong matrix).
+SPEC = OpSpec("lowrank_step_", (
+    tensors("params", written=True), tensors("grads", contiguous=True),
+    tensors("low_updates", contiguous=True), tensors("low_grads", contiguous=True),
+    tensors("projections", contiguous=True), ints("sides"),
+    scalar("lr"), real("weight_decay", 0.0), *state_free_hyper(), *amp(),
+), record="LowrankHyper", check=_check, skip_empty=True, ext=lambda: extension())
 
-
-def apply(params: List[Tensor], grads: List[Tensor], low_updates: List[Tensor],
-          low_grads: List[Tensor], projections: List[Tensor], sides: List[int], lr: Tensor,
-          weight_decay: float, state_free: str, state_free_scale: float,
-          grad_scale: Optional[Tensor],
-          found_inf: Optional[Tensor], backend: str) -> None:
-    """The op's body after its metadata checks (see :func:`frugal_kernels.ops.adamw.apply`)."""
-    check_scalars(OP, lr)
-    if skipped_on_host(found_inf):
-        return
-    keep = [i for i, p in enumerate(params) if p.numel() > 0]
-    if not keep:
-        return
-    impl = _IMPLS[_dispatch.resolve(backend, params[0].device, OP)]
-    # Every input but the params is only read: the kernels get contiguous copies
-    # where needed (the Triton kernel walks them as row-major matrices and read a
-    # transposed projection as the wrong matrix).
-    read_only = [[t.contiguous() for t in lst] for lst in (grads, low_updates, low_grads,
-                                                             projections)]
-    impl(Tensors(*([lst[i] for i in keep] for lst in (params, *read_only, sides))),
-         LowrankHyper(lr, weight_decay, state_free, state_free_scale, grad_scale, found_inf))
-
-
-_lowrank_step_op.register_fake(_check)
+Tensors, LowrankHyper = SPEC.Tensors, SPEC.Hyper
 
 
 def _back_projections(u: Tensor, lg: Tensor, proj: Tensor, side: int) -> Tensor:
@@ -134,7 +78,8 @@ def _back_projections(u: Tensor, lg: Tensor, proj: Tensor, side: int) -> Tensor:
     return back_project(torch.stack((u, lg)), proj, side)
 
 
-def _cpu(t: Tensors, h: LowrankHyper) -> None:
+@SPEC.backend("cpu")
+def _cpu(t, h) -> None:
     ext = extension()
     hyper = h.kernel(ext)
     for p, g, u, lg, proj, side in zip(*t):
@@ -144,64 +89,53 @@ def _cpu(t: Tensors, h: LowrankHyper) -> None:
                              hyper, torch.get_num_threads())
 
 
-def _triton(t: Tensors, h: LowrankHyper) -> None:
-    from frugal_kernels.kernels.triton.lowrank_step import lowrank_step_
+@SPEC.backend("triton")
+def _triton(t, h) -> None:
+    from frugal_kernels.kernels.triton.lowrank_step import lowrank_step_ as kernel
 
-    lowrank_step_(*t, **h.values())
-
-
-def _torch(t: Tensors, h: LowrankHyper) -> None:
-    reference.lowrank_step_(*t, **h.on_host())
+    SPEC.call(kernel, t, h.values())
 
 
-_IMPLS = {"cpu": _cpu, "triton": _triton, "torch": _torch}
+@SPEC.backend("torch")
+def _torch(t, h) -> None:
+    SPEC.call(reference.lowrank_step_, t, h.on_host())
 
 
-def lowrank_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
-                  low_updates: Sequence[Tensor], low_grads: Sequence[Tensor],
-                  projections: Sequence[Tensor], sides: Sequence[int], *, lr: Scalar,
-                  weight_decay: float = 0.0, state_free: str = "sign",
-                  state_free_scale: float = 1.0, grad_scale: Optional[Tensor] = None,
-                  found_inf: Optional[Tensor] = None, backend: str = "auto") -> None:
-    r"""The weight update of a low-rank FRUGAL step, in place.
+lowrank_step_ = SPEC.register(
+    doc=r'''The weight update of a low-rank FRUGAL step, in place.
 
-    Each param is seen as a matrix [m, n] = [shape[0], rest] with a projection
-    :math:`P` on one side; :math:`\mathrm{up}` is the back-projection,
-    :math:`\mathrm{up}(x) = x P` (side RIGHT, :math:`P` [r, n] with orthonormal
-    rows) or :math:`P x` (side LEFT, :math:`P` [m, r] with orthonormal columns).
-    The optimizer ran AdamW in the subspace; this op applies its update, and
-    the state-free rule to the part of the gradient outside the subspace:
+Each param is seen as a matrix [m, n] = [shape[0], rest] with a projection
+:math:`P` on one side; :math:`\mathrm{up}` is the back-projection,
+:math:`\mathrm{up}(x) = x P` (side RIGHT, :math:`P` [r, n] with orthonormal
+rows) or :math:`P x` (side LEFT, :math:`P` [m, r] with orthonormal columns).
+The optimizer ran AdamW in the subspace; this op applies its update, and
+the state-free rule to the part of the gradient outside the subspace:
 
-    .. math::
-       \begin{aligned}
-            &\rule{110mm}{0.4pt}                                                         \\
-            &\textbf{input}: \theta \text{ (params)}, \: g \text{ (grads)}, \:
-                P \text{ (projections, sides)}, \: u \text{ (low\_updates)}, \:
-                \hat{g} = P^\top g \text{ (low\_grads)}                                  \\
-            &\hspace{13mm} \gamma \text{ (lr)}, \: \lambda \text{ (weight\_decay)}, \:
-                \phi \text{ (state\_free)}, \: s \text{ (state\_free\_scale)}          \\[-1.ex]
-            &\rule{110mm}{0.4pt}                                                         \\
-            &r \leftarrow g - \mathrm{up}(\hat{g})
-                \hspace{5mm} \text{(the residual, outside the subspace)}                 \\
-            &\theta \leftarrow \theta \, (1 - \gamma \lambda) - \gamma s \, \phi(r)
-                + \mathrm{up}(u), \quad \phi(r) = \mathrm{sign}(r) \text{ (sign)}, \;
-                r \text{ (sgd)}, \; 0 \text{ (none)}                                     \\[-1.ex]
-            &\rule{110mm}{0.4pt}                                                         \\[-1.ex]
-       \end{aligned}
+.. math::
+   \begin{aligned}
+        &\rule{110mm}{0.4pt}                                                         \\
+        &\textbf{input}: \theta \text{ (params)}, \: g \text{ (grads)}, \:
+            P \text{ (projections, sides)}, \: u \text{ (low\_updates)}, \:
+            \hat{g} = P^\top g \text{ (low\_grads)}                                  \\
+        &\hspace{13mm} \gamma \text{ (lr)}, \: \lambda \text{ (weight\_decay)}, \:
+            \phi \text{ (state\_free)}, \: s \text{ (state\_free\_scale)}          \\[-1.ex]
+        &\rule{110mm}{0.4pt}                                                         \\
+        &r \leftarrow g - \mathrm{up}(\hat{g})
+            \hspace{5mm} \text{(the residual, outside the subspace)}                 \\
+        &\theta \leftarrow \theta \, (1 - \gamma \lambda) - \gamma s \, \phi(r)
+            + \mathrm{up}(u), \quad \phi(r) = \mathrm{sign}(r) \text{ (sign)}, \;
+            r \text{ (sgd)}, \; 0 \text{ (none)}                                     \\[-1.ex]
+        &\rule{110mm}{0.4pt}                                                         \\[-1.ex]
+   \end{aligned}
 
-    Args:
-        params, grads: tensors of >= 2 dims, seen as matrices [m, n].
-        low_updates: AdamW updates in the subspace (lr already applied), fp32,
-            [m, r] for side RIGHT and [r, n] for side LEFT.
-        low_grads: the projected gradients, same shapes.
-        projections: fp32 [r, n] (RIGHT, orthonormal rows) or [m, r] (LEFT,
-            orthonormal columns).
-        sides: 0 (RIGHT) or 1 (LEFT) per tensor.
-        lr, weight_decay, state_free, state_free_scale, backend: as for
-            :func:`frugal_step_`.
-    """
-    check_amp(OP, grad_scale, found_inf)
-    _lowrank_step_op(list(params), list(grads), list(low_updates), list(low_grads),
-                     list(projections), [int(s) for s in sides], as_scalar_tensor(OP, "lr", lr),
-                     float(weight_decay), state_free, float(state_free_scale), grad_scale,
-                     found_inf, backend)
+Args:
+    params, grads: tensors of >= 2 dims, seen as matrices [m, n].
+    low_updates: AdamW updates in the subspace (lr already applied), fp32,
+        [m, r] for side RIGHT and [r, n] for side LEFT.
+    low_grads: the projected gradients, same shapes.
+    projections: fp32 [r, n] (RIGHT, orthonormal rows) or [m, r] (LEFT,
+        orthonormal columns).
+    sides: 0 (RIGHT) or 1 (LEFT) per tensor.
+    lr, weight_decay, state_free, state_free_scale, backend: as for
+        :func:`frugal_step_`.
+''')

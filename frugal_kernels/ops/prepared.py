@@ -31,7 +31,7 @@ from frugal_kernels._extension import extension
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import Hyper, addresses, check_scalars, skipped_on_host
 
-__all__ = ["Call", "PreparedCall", "gathered_backend"]
+__all__ = ["Call", "PreparedCall"]
 
 # What an op's backend prepares from its tensors (``prepare(ext, tensors)``, the
 # gradients left out): the launch of its kernel, taking the gradients' addresses and the
@@ -39,23 +39,14 @@ __all__ = ["Call", "PreparedCall", "gathered_backend"]
 Call = Callable[[List[int], Hyper], None]
 
 
-def gathered_backend(prepare: Callable[[Any, NamedTuple], Call],
-                     ext: Callable[[], Any]) -> Callable[[NamedTuple, Hyper], None]:
-    """An op's backend, ``impl(tensors, hyper)``, from its prepared form: the registered op
-    gathers the tensors and launches at once; a prepared call gathers once. ``ext`` looks
-    up the extension module (the op module's own lookup, which tests replace)."""
-    def impl(t: NamedTuple, h: Hyper) -> None:
-        prepare(ext(), t)(addresses(t.grads), h)
-    return impl
-
-
 class PreparedCall:
     """An op's body over fixed tensors; each call gives the gradients and the scalars.
 
-    A subclass per op names the op (``op``), its backends (``impls``, as the op's
-    ``_IMPLS``) and the backends that gather their tensors once (``prepared``: backend
-    -> ``prepare(ext, tensors)``, the cpu and cuda ones), and builds the op's
-    hyper-parameter record in its ``__call__``, which hands it to :meth:`_run`.
+    A subclass (:class:`frugal_kernels.ops._spec.Prepared`, made from an op's
+    declaration) names the op (``op``), its backends (``impls``) and the backends that
+    gather their tensors once (``prepared``: backend -> ``prepare(ext, tensors)``, the
+    cpu and cuda ones), and builds the op's hyper-parameter record in its
+    ``__call__``, which hands it to :meth:`_run`.
 
     ``tensors`` is the op's ``Tensors`` record with an empty ``grads``;
     ``written`` lists the tensors the op writes; ``keep`` the positions the op

@@ -23,8 +23,10 @@ from torch import Tensor
 from frugal_kernels import _quant, reference
 from frugal_kernels._layout import PARAM_DTYPES
 from frugal_kernels.ops import _dispatch
+from frugal_kernels.ops._spec import Implementations
 
 OP = "frugal::quant_matmul"
+_IMPLS = Implementations(OP)  # its backends, declared below each
 
 
 def _out_shape(a: Tensor, codes: Tensor, cols: int, transpose_weight: bool):
@@ -80,6 +82,7 @@ def _fake(a, codes, scales, bias, bits, cols, transpose_weight, backend):
     return a.new_empty(_out_shape(a, codes, cols, transpose_weight))
 
 
+@_IMPLS.backend("triton")
 def _triton(a, codes, scales, bias, bits, cols, transpose_weight) -> Tensor:
     from frugal_kernels.kernels.triton.quant_matmul import quant_matmul as kernel
     out = a.new_empty(_out_shape(a, codes, cols, transpose_weight))
@@ -88,12 +91,13 @@ def _triton(a, codes, scales, bias, bits, cols, transpose_weight) -> Tensor:
     return out
 
 
+@_IMPLS.backend("torch")
 def _torch(a, codes, scales, bias, bits, cols, transpose_weight) -> Tensor:
     return reference.quant_matmul(a, codes, scales, bias, bits=bits, cols=cols,
                                   transpose_weight=transpose_weight)
 
 
-_IMPLS = {"triton": _triton, "torch": _torch}
+_IMPLS.complete()
 
 
 def quant_matmul(a: Tensor, codes: Tensor, scales: Tensor, bias: Optional[Tensor] = None, *,

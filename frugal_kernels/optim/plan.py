@@ -16,7 +16,7 @@ tensor on its own, as its gradient completes: its plan is one bucket per tensor
 A bucket's first call goes through the registered ops, which check every
 argument; the calls after it, while its params are the tensors that call
 checked (same storage, shape and dtype), go around the per-tensor checks and
-torch.library's Python dispatch (:mod:`frugal_kernels.ops.unchecked`), except
+torch.library's Python dispatch (``frugal_kernels.ops.unchecked``), except
 under torch.compile, whose graphs call the registered ops. What can change
 between steps (the gradients, the options and lr) is checked by the optimizer
 at every step. A call whose only new tensors at each step are the gradients
@@ -35,11 +35,13 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import _quant, ops
-from frugal_kernels.ops import unchecked
 from frugal_kernels._layout import LEFT, inverse_grad_scale, lowrank_side, project
 from frugal_kernels.optim.sharding import ShardLayout, local
 
-__all__ = ["ADAMW", "ADAMW_MASTER", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build", "ensure_moments",
+unchecked = ops.unchecked
+
+__all__ = ["ADAMW", "ADAMW_MASTER", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build",
+           "ensure_moments",
            "release", "run", "signature", "single", "pack_step_counters"]
 
 
@@ -321,7 +323,7 @@ def _subsets(bucket: Bucket):
 
 
 def _lowrank(bucket: Bucket, params, grads, backend, calls, amp) -> None:
-    if bucket.assignment.fused and backend in _FUSED_BACKENDS:
+    if bucket.assignment.fused and ops.implements("frugal::lowrank_adamw_step_", backend):
         _lowrank_fused(bucket, params, grads, backend, calls, amp)
         return
     group = bucket.group
@@ -362,10 +364,6 @@ def _lowrank(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     calls.lowrank_step_(params, grads, low_updates, low_grads, projections, sides, lr=bucket.lr,
                       weight_decay=group["weight_decay"], state_free=rule,
                       state_free_scale=group["state_free_lr_scale"], backend=backend, **amp)
-
-
-# The backends of lowrank_adamw_step_ (a forced triton backend takes the other path).
-_FUSED_BACKENDS = ("auto", "cpu", "torch")
 
 
 def _lowrank_fused(bucket: Bucket, params, grads, backend, calls, amp) -> None:

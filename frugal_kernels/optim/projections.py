@@ -28,6 +28,7 @@ from typing import Dict, Mapping, MutableMapping, Optional, Tuple
 import torch
 from torch import Tensor
 
+from frugal_kernels import ops
 from frugal_kernels._layout import (LEFT, lowrank_dim, lowrank_side, lowrank_state_shape,
                                     matrix_shape, projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
@@ -276,14 +277,6 @@ def _carry_moments(st: dict, indices: Tensor, shape, dim: int) -> None:
         st[key] = fresh
 
 
-# The largest matrix (rows * cols * rank, the multiply-adds of one of its three GEMMs) whose
-# whole step goes to lowrank_adamw_step_ on the CPU, whose GEMMs are plain loops; larger
-# ones take torch's GEMMs, where the ~5 calls per tensor cost less than the loops. Measured
-# at 1 thread, 8 tensors a step, per tensor: 64x64 rank 16 (2^16) 92 us one call vs 109 us
-# with torch's GEMMs; 128x128 rank 8 (2^17) 160 vs 172; 128x128 rank 32 568 vs 193.
-FUSED_MAX_MACS = 1 << 16
-
-
 class LowRank(Projection):
     """A rank ``round(density * d)`` subspace of each matrix (``d`` its smaller side), random
     semi-orthogonal or the gradient's top singular vectors; the state-free rule takes the
@@ -345,8 +338,10 @@ class LowRank(Projection):
         rank = projection_rank(st["projection"], lowrank_side(p.shape))
         ensure_moments(st, _lowrank_moments_shape(p, rank, sub.layouts.get(p)), p.device)
         rows, cols = matrix_shape(p.shape)
-        fused = (p.device.type == "cpu" and p not in sub.layouts
-                 and rows * cols * rank <= FUSED_MAX_MACS)
+        # Small matrices take the whole step in one lowrank_adamw_step_ call where that
+        # pays (the capability table's size limits).
+        fused = p not in sub.layouts and ops.worth_calling("frugal::lowrank_adamw_step_",
+                                                             p.device, rows * cols * rank)
         return Assignment("lowrank", full_rank=rank == lowrank_dim(p.shape), fused=fused)
 
     def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:

@@ -434,8 +434,10 @@ def test_the_ops_cuda_backends_build_the_same_call_as_the_cpu_ones(emulated_cuda
     for kind, rule in (("rows", "sign"), ("columns", "sgd"), ("flat", "none")):
         data = dqt_data(kind, DQT_SHAPES[kind], 3, torch.bfloat16, torch.int64, seed=23)
         got, want = _both(dqt_update, dqt_update.Tensors(*data, kind, list(range(len(data[0])))),
-                          dqt_update.DqtHyper(lr, BETA1, BETA2, EPS, WD, step, rule, 0.5, scale,
-                                              found, 3, 2**31 + 7))
+                          dqt_update.DqtHyper(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS,
+                                              weight_decay=WD, step=step, state_free=rule,
+                                              state_free_scale=0.5, grad_scale=scale,
+                                              found_inf=found, bits=3, rng_step=2**31 + 7))
         for name in ("codes", "exp_avgs", "exp_avg_sqs"):
             assert_equal(f"dqt_update_ {kind} {name}", getattr(got, name), getattr(want, name))
 
