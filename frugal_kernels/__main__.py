@@ -505,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "budget is not worth spending; without --steps the run is as long as the "
                     "budget pays for.")
     trainable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
-    train_parser.add_argument("--optimizer", default="adafrugal", type=_choice(trainable),
+    train_parser.add_argument("--optimizer", type=_choice(trainable),
                               help="the optimizer (default: adafrugal)")
     train_parser.add_argument("--resume", metavar="CHECKPOINT",
                               type=lambda t: _existing_file(t, "--resume"),
