@@ -47,11 +47,15 @@ REDUCTIONS = ("mean", "sum", "none")
 SCORES = ("loss", "el2n", "grad_norm")
 TARGET_DTYPES = (torch.int64, torch.int32)
 
-# The torch backend's chunk of logits, in bytes of fp32 (whole rows of the vocabulary,
-# at least one). With N = 2048 tokens and D = 512 on a 2-core Xeon, 32 MiB chunks
-# (256 rows at V = 32k, 64 at 128k) kept the time within the unfused loss's
-# (bench/results/loss-*.md); the peak beyond the returned gradients is about one chunk.
+# The torch backend's chunk of logits: whole rows of the vocabulary, CHUNK_BYTES of fp32
+# but never fewer than MIN_ROWS rows. Every chunk reads and writes the fp32 gradient of
+# the whole weight once and runs GEMMs whose inner size is the chunk's rows, so chunks
+# of few rows are slow: at N = 2048, D = 512, V = 32k on 2 loaded cores, forward +
+# backward took 1.9x the unfused loss's time with 64-row chunks, 1.17x with 256 and
+# 0.89x with 1024 (bench/results/ has the section's runs). The peak beyond the returned
+# gradients is about one chunk: 4 * rows * V bytes.
 CHUNK_BYTES = 32 << 20
+MIN_ROWS = 256
 
 
 def _check(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor],
@@ -236,30 +240,37 @@ _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_conte
 
 # ------------------------------------------------------------------ backends
 
-def _smoothed_target(d: Tensor, targets: Tensor, kept: Tensor, label_smoothing: float) -> None:
-    """``d -= q`` in place: ``d`` the softmax of a chunk's rows, ``q`` their smoothed
-    one-hot targets (ignored rows get their label's ``1 - eps`` at column 0, harmless:
-    their scale is 0 and their score is masked)."""
-    rows = torch.arange(d.shape[0], device=d.device)
-    d[rows, targets] -= (1.0 - label_smoothing) * kept
+def _minus_target(p: Tensor, targets: Tensor, c: Tensor, label_smoothing: float) -> Tensor:
+    """``c * (p - q)`` in place of ``p``: ``p`` the softmax of a chunk's rows, ``q`` their
+    smoothed one-hot targets, ``c`` a weight per row (an ignored row's target is a stand-in
+    0, so ``c`` must be 0 there or the row's result unused)."""
+    d = p.mul_(c[:, None])
+    d[torch.arange(d.shape[0], device=d.device), targets] -= (1.0 - label_smoothing) * c
     if label_smoothing:
-        d.sub_(label_smoothing / d.shape[1])
+        d.sub_((label_smoothing / d.shape[1]) * c[:, None])
+    return d
 
 
 class _Torch:
-    """Chunks of whole rows of the logits, on torch's GEMM (the CPU path): a chunk's
-    softmax is exact, so its gradient and el2n come from the chunk itself."""
+    """Chunks of whole rows of the logits on torch's GEMM (the CPU path): a chunk's softmax
+    is exact, so its gradient and el2n come from the chunk itself. One ``[rows, V]`` fp32
+    buffer per chunk turns into the softmax and then the gradient in place; the weight's
+    gradient is accumulated in fp32 over the chunks."""
 
     @staticmethod
     def _rows(vocab: int) -> int:
-        return max(1, CHUNK_BYTES // (4 * vocab))
+        return max(MIN_ROWS, CHUNK_BYTES // (4 * vocab))
 
     @staticmethod
-    def _logits(h: Tensor, w32: Tensor, b32: Optional[Tensor]) -> Tensor:
+    def _chunk(hidden, targets, kept_all, w32, b32, r0, rows):
+        r1 = min(hidden.shape[0], r0 + rows)
+        h = hidden[r0:r1]
+        kept = kept_all[r0:r1]
+        t = torch.where(kept, targets[r0:r1], 0).long()
         z = h.float() @ w32.t()
         if b32 is not None:
             z += b32
-        return z
+        return h, kept, t, z
 
     @staticmethod
     def _grads_init(hidden, weight, bias):
@@ -290,37 +301,31 @@ class _Torch:
         w32 = weight.float()
         b32 = None if bias is None else bias.float()
         f32 = dict(dtype=torch.float32, device=hidden.device)
-        loss_tok, lse, el2n = (torch.empty(n, **f32) for _ in range(3))
+        loss_tok, lse, el2n = (torch.zeros(n, **f32) for _ in range(3))
         kept_all = targets != ignore_index
         scale = row_scales(targets, ignore_index, reduction)
         grads = cls._grads_init(hidden, weight, bias) if compute_grads else None
         rows = cls._rows(vocab)
         for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            h = hidden[r0:r1]
-            kept = kept_all[r0:r1]
-            t = torch.where(kept, targets[r0:r1], 0).long()
-            z = cls._logits(h, w32, b32)
+            h, kept, t, z = cls._chunk(hidden, targets, kept_all, w32, b32, r0, rows)
+            r1 = r0 + h.shape[0]
             picked = z.gather(1, t[:, None]).squeeze(1)
             mean_z = z.mean(1) if label_smoothing else None
-            m = z.amax(1, keepdim=True)
-            # exp in place: the chunk's one [rows, V] buffer becomes the softmax and then
-            # the gradient with respect to the logits.
-            e = z.sub_(m).exp_()
-            s = e.sum(1, keepdim=True)
-            lse[r0:r1] = (m + s.log()).squeeze(1)
+            lse[r0:r1] = torch.logsumexp(z, 1)
             tok = lse[r0:r1] - picked
             if label_smoothing:
                 tok = (1.0 - label_smoothing) * tok + label_smoothing * (lse[r0:r1] - mean_z)
             loss_tok[r0:r1] = torch.where(kept, tok, 0.0)
             if grads is None and not with_el2n:
                 continue
-            d = e.div_(s)
-            _smoothed_target(d, t, kept.float(), label_smoothing)
+            # With gradients each row is weighted by its scale (> 0 where kept: a mean's
+            # 1 / count, a sum's 1), and el2n is the row's norm divided by it.
+            c = scale[r0:r1] if grads is not None else kept.float()
+            d = _minus_target(z.sub_(lse[r0:r1, None]).exp_(), t, c, label_smoothing)
             if with_el2n:
-                el2n[r0:r1] = torch.linalg.vector_norm(d, dim=1) * kept
+                norm = torch.linalg.vector_norm(d, dim=1)
+                el2n[r0:r1] = torch.where(kept, norm / c.clamp_min(1e-30), 0.0)
             if grads is not None:
-                d.mul_(scale[r0:r1, None])
                 cls._accumulate(d, h, w32, r0, grads)
         out = None if grads is None else cls._grads_out(grads, hidden, weight, bias)
         return loss_tok, lse, el2n, out
@@ -328,20 +333,16 @@ class _Torch:
     @classmethod
     def backward(cls, hidden, weight, targets, bias, lse, scale, ignore_index,
                  label_smoothing):
-        n, vocab = hidden.shape[0], weight.shape[0]
         w32 = weight.float()
         b32 = None if bias is None else bias.float()
         kept_all = targets != ignore_index
         grads = cls._grads_init(hidden, weight, bias)
-        rows = cls._rows(vocab)
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            h = hidden[r0:r1]
-            kept = kept_all[r0:r1]
-            t = torch.where(kept, targets[r0:r1], 0).long()
-            d = cls._logits(h, w32, b32).sub_(lse[r0:r1, None]).exp_()
-            _smoothed_target(d, t, kept.float(), label_smoothing)
-            d.mul_(scale[r0:r1, None])
+        rows = cls._rows(weight.shape[0])
+        for r0 in range(0, hidden.shape[0], rows):
+            h, kept, t, z = cls._chunk(hidden, targets, kept_all, w32, b32, r0, rows)
+            r1 = r0 + h.shape[0]
+            d = _minus_target(z.sub_(lse[r0:r1, None]).exp_(), t, scale[r0:r1],
+                              label_smoothing)
             cls._accumulate(d, h, w32, r0, grads)
         return cls._grads_out(grads, hidden, weight, bias)
 

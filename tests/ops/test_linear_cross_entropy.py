@@ -95,8 +95,9 @@ def check_against_reference(backend, dtype, shape, reduction, smoothing, bias, s
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_loss_gradients_and_scores_match_the_reference(backend, reduction, smoothing,
                                                         monkeypatch):
-    # Chunks of 7 rows in the torch backend: several chunks and a ragged last one.
+    # Chunks of 7 * 130 / V rows in the torch backend: several chunks, a ragged last one.
     monkeypatch.setattr(lce_module, "CHUNK_BYTES", 4 * 130 * 7)
+    monkeypatch.setattr(lce_module, "MIN_ROWS", 1)
     for i, shape in enumerate(SHAPES):
         check_against_reference(backend, torch.float32, shape, reduction, smoothing,
                                 bias=i % 2 == 0, seed=i)
@@ -115,6 +116,7 @@ def test_one_chunk_and_many_chunks_agree(backend, monkeypatch):
     whole = run(ops.linear_cross_entropy, hidden, weight, b, targets, backend=backend,
                 scores=SCORES)
     monkeypatch.setattr(lce_module, "CHUNK_BYTES", 1)  # one row per chunk
+    monkeypatch.setattr(lce_module, "MIN_ROWS", 1)
     rows = run(ops.linear_cross_entropy, hidden, weight, b, targets, backend=backend,
                scores=SCORES)
     assert_close(rows[0], whole[0], torch.float32, "loss")
