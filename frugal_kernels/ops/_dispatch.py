@@ -37,7 +37,7 @@ CAPABILITIES = {
     "frugal::quant_matmul": frozenset(("triton", "torch")),
     # The chunked loss on torch's GEMM is the CPU path (no C++ kernel): it and Triton's
     # tiles; frugal::linear_cross_entropy_backward follows the same choice.
-    "frugal::linear_cross_entropy": frozenset(("torch",)),
+    "frugal::linear_cross_entropy": frozenset(("triton", "torch")),
 }
 
 

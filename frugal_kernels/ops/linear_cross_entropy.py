@@ -371,7 +371,7 @@ class _Triton:
                         label_smoothing)
 
 
-_IMPLS = {"torch": _Torch}
+_IMPLS = {"torch": _Torch, "triton": _Triton}
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *,
