@@ -211,19 +211,33 @@ def _setup_context(ctx, inputs, output):
      backend) = inputs
     _, scores, lse, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(scores, lse, grad_hidden, grad_weight, grad_bias)
-    ctx.precomputed = compute_grads
     ctx.has_bias = bias is not None
     ctx.options = (ignore_index, label_smoothing, reduction, backend)
+    ctx.grads = None
     if compute_grads:
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        # Held on ctx, not saved: backward hands these very tensors to autograd (scaled in
+        # place), which can then keep them as .grad without a copy; a saved tensor would
+        # still be referenced and copied, a second weight gradient at the peak.
+        ctx.grads = [grad_hidden, grad_weight, grad_bias]
     else:
         ctx.save_for_backward(hidden, weight, targets, bias, lse)
 
 
 def _backward(ctx, grad_loss, *unused):
-    if ctx.precomputed:
-        # A scalar loss: its gradients are grad_loss times those of the loss itself.
-        grads = [g * grad_loss for g in ctx.saved_tensors]
+    if ctx.saved_tensors == ():
+        if ctx.grads is None:
+            raise RuntimeError(f"{OP}: its gradients were computed in the forward pass and "
+                               "handed out by the first backward; a second backward through "
+                               "it (retain_graph=True) is not supported")
+        grads, ctx.grads = ctx.grads, None
+        # A scalar loss: its gradients are grad_loss times those of the loss itself. In
+        # place on plain tensors; traced ones (torch.compile's functional and fake tensors,
+        # which refuse the in-place product of an output) take a copy.
+        if type(grad_loss) is Tensor:
+            for g in grads:
+                g.mul_(grad_loss)
+        else:
+            grads = [g * grad_loss for g in grads]
     else:
         hidden, weight, targets, bias, lse = ctx.saved_tensors
         ignore_index, label_smoothing, reduction, backend = ctx.options

@@ -276,3 +276,16 @@ def test_compiles_with_torch_compile():
     weight.grad = None
     expected.backward()
     assert_close(grad, weight.grad, torch.float32, "grad weight")
+
+
+def test_a_second_backward_is_refused():
+    """The gradients computed in the forward pass are handed to autograd by the first
+    backward (no copy at the peak); a second one says so instead of giving wrong values."""
+    hidden, weight, b, targets = case(6, 4, 5, seed=11)
+    weight.requires_grad_()
+    loss, _ = ops.linear_cross_entropy(hidden, weight, targets, bias=b, backend="torch")
+    loss.backward(retain_graph=True)
+    first = weight.grad.clone()
+    with pytest.raises(RuntimeError, match="a second backward through it"):
+        loss.backward()
+    assert torch.equal(weight.grad, first)
