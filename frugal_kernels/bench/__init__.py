@@ -15,6 +15,7 @@ import torch
 from frugal_kernels.bench import dqt as _dqt
 from frugal_kernels.bench import fingerprint as _fingerprint
 from frugal_kernels.bench import in_backward as _in_backward
+from frugal_kernels.bench import loss as _loss
 from frugal_kernels.bench import ops as _ops
 from frugal_kernels.bench import optimizers as _optimizers
 from frugal_kernels.bench import overhead as _overhead
@@ -23,13 +24,13 @@ from frugal_kernels.bench import report
 __all__ = ["run", "SECTIONS"]
 
 # The parts of a run, as `frugal-kernels bench --only` names them.
-SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt")
+SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt", "loss")
 
 
 def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None,
         op_names: Optional[Sequence[str]] = None, with_ops: bool = True,
         with_optimizers: bool = True, with_overhead: bool = True, with_in_backward: bool = True,
-        with_dqt: bool = True,
+        with_dqt: bool = True, with_loss: bool = True,
         preset: Optional[str] = None,
         rounds: Optional[int] = None, dtypes: Optional[Sequence[str]] = None,
         command: str = "") -> dict:
@@ -94,6 +95,10 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
         if "skipped" in result["dqt"]["forward"]:
             print(f"dqt forward (QuantLinear with quant_matmul vs nn.Linear): skipped, "
                   f"{result['dqt']['forward']['skipped']}")
+    if with_loss:
+        with tqdm(total=1, desc="fused linear cross-entropy", unit="shape") as bar:
+            result["loss"] = _loss.run(dev, quick=quick, rounds=max(3, rounds // 5),
+                                       progress=bar)
     out = Path(out) if out is not None else Path("bench/results")
     stem = _fingerprint.device_id(fp) + ("-quick" if quick else "")
     result["files"] = [str(p) for p in report.write(result, out, stem)]

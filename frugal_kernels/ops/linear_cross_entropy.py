@@ -254,11 +254,12 @@ _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_conte
 
 # ------------------------------------------------------------------ backends
 
-def _minus_target(p: Tensor, targets: Tensor, c: Tensor, label_smoothing: float) -> Tensor:
-    """``c * (p - q)`` in place of ``p``: ``p`` the softmax of a chunk's rows, ``q`` their
-    smoothed one-hot targets, ``c`` a weight per row (an ignored row's target is a stand-in
-    0, so ``c`` must be 0 there or the row's result unused)."""
-    d = p.mul_(c[:, None])
+def _minus_target(e: Tensor, s: Tensor, targets: Tensor, c: Tensor,
+                  label_smoothing: float) -> Tensor:
+    """``c * (p - q)`` in place of ``e``: ``p = e / s`` the softmax of a chunk's rows, ``q``
+    their smoothed one-hot targets, ``c`` a weight per row (an ignored row's target is a
+    stand-in 0, so ``c`` must be 0 there or the row's result unused)."""
+    d = e.mul_((c / s)[:, None])
     d[torch.arange(d.shape[0], device=d.device), targets] -= (1.0 - label_smoothing) * c
     if label_smoothing:
         d.sub_((label_smoothing / d.shape[1]) * c[:, None])
@@ -325,7 +326,12 @@ class _Torch:
             r1 = r0 + h.shape[0]
             picked = z.gather(1, t[:, None]).squeeze(1)
             mean_z = z.mean(1) if label_smoothing else None
-            lse[r0:r1] = torch.logsumexp(z, 1)
+            # In place (torch.logsumexp would allocate two more chunks): the chunk's one
+            # [rows, V] buffer becomes exp(z - max), then the softmax times c, then d.
+            m = z.amax(1, keepdim=True)
+            e = z.sub_(m).exp_()
+            s = e.sum(1, keepdim=True)
+            lse[r0:r1] = (m + s.log()).squeeze(1)
             tok = lse[r0:r1] - picked
             if label_smoothing:
                 tok = (1.0 - label_smoothing) * tok + label_smoothing * (lse[r0:r1] - mean_z)
@@ -335,7 +341,7 @@ class _Torch:
             # With gradients each row is weighted by its scale (> 0 where kept: a mean's
             # 1 / count, a sum's 1), and el2n is the row's norm divided by it.
             c = scale[r0:r1] if grads is not None else kept.float()
-            d = _minus_target(z.sub_(lse[r0:r1, None]).exp_(), t, c, label_smoothing)
+            d = _minus_target(e, s.squeeze(1), t, c, label_smoothing)
             if with_el2n:
                 norm = torch.linalg.vector_norm(d, dim=1)
                 el2n[r0:r1] = torch.where(kept, norm / c.clamp_min(1e-30), 0.0)
@@ -355,7 +361,7 @@ class _Torch:
         for r0 in range(0, hidden.shape[0], rows):
             h, kept, t, z = cls._chunk(hidden, targets, kept_all, w32, b32, r0, rows)
             r1 = r0 + h.shape[0]
-            d = _minus_target(z.sub_(lse[r0:r1, None]).exp_(), t, scale[r0:r1],
+            d = _minus_target(z.sub_(lse[r0:r1, None]).exp_(), 1.0, t, scale[r0:r1],
                               label_smoothing)
             cls._accumulate(d, h, w32, r0, grads)
         return cls._grads_out(grads, hidden, weight, bias)
