@@ -96,8 +96,10 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
             print(f"dqt forward (QuantLinear with quant_matmul vs nn.Linear): skipped, "
                   f"{result['dqt']['forward']['skipped']}")
     if with_loss:
-        with tqdm(total=1, desc="fused linear cross-entropy", unit="shape") as bar:
-            result["loss"] = _loss.run(dev, quick=quick, rounds=max(3, rounds // 5),
+        shapes = _loss.shapes_for(dev, quick)
+        with tqdm(total=sum(len(v) for _, _, v in shapes), desc="fused linear cross-entropy",
+                  unit="shape") as bar:
+            result["loss"] = _loss.run(dev, shapes=shapes, rounds=max(3, rounds // 5),
                                        progress=bar)
     out = Path(out) if out is not None else Path("bench/results")
     stem = _fingerprint.device_id(fp) + ("-quick" if quick else "")

@@ -37,7 +37,7 @@ from frugal_kernels import ops
 from frugal_kernels.optim.memory import PeakMemory, release_freed_memory
 
 __all__ = ["CPU_SHAPES", "GPU_SHAPES", "MEMORY_TARGET", "TIME_TARGET", "markdown_lines",
-           "measure_memory", "run"]
+           "measure_memory", "run", "shapes_for"]
 
 MEMORY_TARGET = 1 / 8
 TIME_TARGET = 1.2
@@ -123,14 +123,19 @@ def _times(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
     return seconds
 
 
+def shapes_for(device: torch.device, quick: bool = False) -> Sequence:
+    """The (N, D, vocabularies) a run measures on ``device``."""
+    return QUICK_SHAPES if quick else (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+
+
 def run(device: torch.device, *, quick: bool = False, rounds: int = 3,
         shapes: Optional[Sequence] = None, fresh_processes: bool = True,
         progress=None) -> dict:
-    """Every (N, D, V) of the device's shapes: peak beyond inputs and gradients and the
-    median time of forward + backward, fused and unfused, with the ratios and targets."""
+    """Every (N, D, V) of ``shapes`` (default :func:`shapes_for`): peak beyond inputs and
+    gradients and the median time of forward + backward, fused and unfused, with the
+    ratios and targets."""
     if shapes is None:
-        shapes = QUICK_SHAPES if quick else (GPU_SHAPES if device.type == "cuda" else
-                                             CPU_SHAPES)
+        shapes = shapes_for(device, quick)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     rows = []
     for n, d, vocabs in shapes:
