@@ -80,13 +80,20 @@ def _bench(args: argparse.Namespace) -> int:
     from frugal_kernels.bench.report import markdown
 
     sections = set(args.only or bench.SECTIONS)
+    # The host-overhead section runs on a CPU, or on a GPU when --only names it.
+    if args.no_overhead or "overhead" not in sections:
+        with_overhead = False
+    else:
+        with_overhead = True if args.only else None
     result = bench.run(device=args.device, quick=args.quick, out=args.out, op_names=args.ops,
                        with_ops="ops" in sections and not args.no_ops,
                        with_optimizers="optimizers" in sections and not args.no_optimizers,
-                       with_overhead="overhead" in sections and not args.no_overhead,
-                       with_dqt="dqt" in sections, with_loss="loss" in sections,
+                       with_overhead=with_overhead,
+                       with_dqt="dqt" in sections,
+                       with_clip="clip" in sections, with_loss="loss" in sections,
                        with_in_backward="in_backward" in sections and not args.no_in_backward,
                        preset=args.preset, rounds=args.rounds, dtypes=args.dtypes,
+                       fresh_processes=args.fresh_processes, stem=args.stem, only=args.only,
                        command="frugal-kernels " + " ".join(sys.argv[1:]))
     print(markdown(result))
     print("wrote " + ", ".join(result["files"]))
@@ -417,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time every fused op (per backend, dtype and size) against a copy-bandwidth "
                     "baseline and torch.optim.AdamW(fused=True), and whole optimizer steps on a "
                     "LLaMA-shaped parameter set, all measured side by side in one run. Writes "
-                    "<out>/<device-id>.json, .md and .png.")
+                    "<out>/<stem>.json, .md and .png after each section.")
     bench.add_argument("--device", default="auto", type=_device_name,
                        help="cpu, cuda or auto (default)")
     bench.add_argument("--quick", action="store_true", help="a short run (a minute or two on a CPU)")
@@ -435,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-ops", action="store_true", help="skip the op sweep")
     bench.add_argument("--no-optimizers", action="store_true", help="skip the optimizer steps")
     bench.add_argument("--no-overhead", action="store_true",
-                       help="skip the host-overhead steps")
+                       help="skip the host-overhead steps (skipped on a GPU unless --only "
+                            "names them)")
     bench.add_argument("--no-in-backward", action="store_true",
                        help="skip the step-memory comparison, ordinary vs step in backward")
     bench.add_argument("--only", nargs="+", metavar="SECTION", choices=bench_sections,
@@ -451,6 +459,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model shape of the optimizer part (default 130m, 20m with --quick) "
                             "and of the in_backward part (default 20m)")
     bench.add_argument("--rounds", type=_positive_int, help="timing rounds per candidate")
+    bench.add_argument("--stem", help="file name of the results without extension (default: "
+                                      "the device id, then -quick and the --only sections)")
+    fresh = bench.add_mutually_exclusive_group()
+    fresh.add_argument("--fresh-processes", dest="fresh_processes", action="store_true",
+                       default=None,
+                       help="measure each in_backward row in a fresh process (default on a CPU, "
+                            "where the figure is the process's resident memory)")
+    fresh.add_argument("--in-process", dest="fresh_processes", action="store_false",
+                       help="measure every in_backward row in this process (default on a GPU, "
+                            "where the allocator's count is reset per row)")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -82,6 +83,19 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _finite_positive(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and math.isfinite(value) and value > 0
+
+
+def _check_count(name: str, value: Any, least: int, why: str = "") -> None:
+    # bool is an int to Python, and window=True is surely a mistake. Error types as
+    # torch.optim's: the wrong type is a TypeError, a value out of range a ValueError.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}{' ' + why if why else ''}, got {value!r}")
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -151,16 +165,31 @@ class Governor:
         cooldown: Optional[int] = None,
         suggestion: Optional[dict[str, float]] = None,
     ) -> None:
-        if not flop_budget > 0:
-            raise ValueError(f"flop_budget must be positive, got {flop_budget}")
-        if window < 2:
-            raise ValueError(f"window must be at least 2 to fit a slope, got {window}")
-        if patience < 1:
-            raise ValueError(f"patience must be at least 1, got {patience}")
-        if not 0.0 < reallocate_fraction < 1.0:
-            raise ValueError(f"reallocate_fraction must lie in (0, 1), got {reallocate_fraction}")
-        if cooldown is not None and cooldown < 0:
-            raise ValueError(f"cooldown must be non-negative, got {cooldown}")
+        # Every check before any assignment: a refused governor is never half-built. Each
+        # number must be finite: a NaN threshold compares False everywhere and would switch
+        # its rule off without a word.
+        if not (isinstance(flop_budget, numbers.Real) and math.isfinite(flop_budget)
+                and flop_budget > 0):
+            raise ValueError(f"flop_budget must be a finite positive number, got {flop_budget!r}")
+        if flops_per_token is not None and not _finite_positive(flops_per_token):
+            raise ValueError(
+                f"flops_per_token must be a finite positive number, got {flops_per_token!r}")
+        _check_count("window", window, 2, "to fit a slope")
+        _check_count("patience", patience, 1)
+        if cooldown is not None:
+            _check_count("cooldown", cooldown, 0)
+        if not (isinstance(min_improvement, numbers.Real) and math.isfinite(min_improvement)
+                and min_improvement >= 0):
+            raise ValueError(
+                f"min_improvement must be a finite number >= 0, got {min_improvement!r}")
+        if not (isinstance(reallocate_fraction, numbers.Real)
+                and 0.0 < reallocate_fraction < 1.0):
+            raise ValueError(f"reallocate_fraction must lie in (0, 1), got {reallocate_fraction!r}")
+        if suggestion is not None:
+            for key, factor in suggestion.items():
+                if not _finite_positive(factor):
+                    raise ValueError(
+                        f"suggestion[{key!r}] must be a finite positive factor, got {factor!r}")
         self.flop_budget = float(flop_budget)
         self.flops_per_token = flops_per_token
         self.window = window
@@ -198,8 +227,8 @@ class Governor:
         self._attached.append(optimizer)
 
     def add_flops(self, flops: float) -> None:
-        if flops < 0:
-            raise ValueError(f"flops must be non-negative, got {flops}")
+        if not (isinstance(flops, numbers.Real) and math.isfinite(flops) and flops >= 0):
+            raise ValueError(f"flops must be a finite number >= 0, got {flops!r}")
         self.spent_flops += float(flops)
 
     def step(
@@ -209,6 +238,8 @@ class Governor:
         flops_per_token = self.flops_per_token if flops_per_token is None else flops_per_token
         if flops_per_token is None:
             raise ValueError("step() needs flops_per_token, here or in the constructor")
+        if not (isinstance(tokens, numbers.Integral) and tokens >= 0):
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
         self.add_flops(tokens * flops_per_token + optimizer_flops)
         self.steps += 1
 
@@ -226,13 +257,17 @@ class Governor:
             raise ValueError(
                 f"the loss must be positive (improvement is relative to it), got {loss}"
             )
+        spent = self.spent_flops
         if flops is not None:
-            self.spent_flops = float(flops)
-        if self._points and self.spent_flops <= self._points[-1][0]:
+            if not (isinstance(flops, numbers.Real) and math.isfinite(flops) and flops >= 0):
+                raise ValueError(f"flops must be a finite number >= 0, got {flops!r}")
+            spent = float(flops)
+        if self._points and spent <= self._points[-1][0]:
             raise ValueError(
-                f"FLOPs must grow between evaluations: {self.spent_flops:.6g} after "
+                f"FLOPs must grow between evaluations: {spent:.6g} after "
                 f"{self._points[-1][0]:.6g}; count them with step() or add_flops(), or pass flops="
             )
+        self.spent_flops = spent
         self.evaluations += 1
         decision = Decision(
             action="continue",

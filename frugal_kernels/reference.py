@@ -28,7 +28,7 @@ def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
 
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
-           "dqt_update_", "dequantize", "quant_matmul", "linear_cross_entropy"]
+           "dqt_update_", "dequantize", "quant_matmul", "grad_norm", "linear_cross_entropy"]
 
 
 
@@ -382,3 +382,35 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
             else:
                 out[name] = el2n * hidden.float().norm(dim=1)
     return loss, out
+# Elements a grad_norm pass widens to double at a time: the reference runs on any device,
+# and a whole gradient in double would be twice its own size again.
+_NORM_CHUNK = 1 << 20
+
+
+@torch.no_grad()
+def grad_norm(grads: Sequence[Tensor], *, norm_type: float = 2.0) -> tuple:
+    """``ops.grad_norm``: the norm of all of ``grads`` as one vector, and whether any
+    element is NaN or infinite.
+
+    The 2-norm is the square root of the sum of the squares, summed in double (no finite
+    fp32 gradient overflows it, so it is non-finite exactly when an element is); the max
+    norm (``norm_type=inf``) is the largest magnitude, NaN when an element is NaN.
+    Returns ``(total_norm, found_inf)``: a 0-dim float32 tensor (as
+    ``torch.nn.utils.clip_grad_norm_`` returns it) and GradScaler's one-element float32
+    flag, both on the gradients' device.
+    """
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        flat = g.detach().reshape(-1)
+        for start in range(0, flat.numel(), _NORM_CHUNK):
+            part = flat[start:start + _NORM_CHUNK].double()
+            if math.isinf(norm_type):
+                # torch.maximum propagates NaN; so does amax.
+                total = torch.maximum(total, part.abs().amax())
+            else:
+                total = total + (part * part).sum()
+    if not math.isinf(norm_type):
+        total = total.sqrt()
+    found_inf = (~total.isfinite()).float().reshape(1)
+    return total.float(), found_inf

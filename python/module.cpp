@@ -440,6 +440,17 @@ PYBIND11_MODULE(_C, m) {
 
   // One weight's packed codes to floats W = s * q; `out` holds rows * cols
   // values of dtype_code.
+  // grads: addresses of gradients of one dtype; returns the sum of their squares, or the
+  // largest magnitude with max_norm, in double (non-finite when an element is).
+  m.def("grad_norm_cpu", [](const Addresses& grads, const Sizes& numel, int dtype_code,
+                            bool max_norm, int num_threads) {
+    check_count("grad_norm_cpu numel", numel.size(), grads.size());
+    const auto g = as_pointers<const void*>(grads);
+    py::gil_scoped_release nogil;
+    return cpu::grad_norm(g.data(), numel.data(), int64_t(g.size()), DType(dtype_code), max_norm,
+                          num_threads);
+  }, py::arg("grads"), py::arg("numel"), py::arg("dtype"), py::arg("max_norm"),
+     py::arg("num_threads"));
   m.def("dequantize_cpu", [](uintptr_t codes, uintptr_t scales, int64_t scale_count, int64_t rows,
                              int64_t cols, int bits, uintptr_t out, int dtype_code,
                              int num_threads) {

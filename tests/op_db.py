@@ -869,4 +869,5 @@ OUT_OF_PLACE_OPS = {
     "dequantize": "tests/ops/test_dequantize.py",
     "quant_matmul": "tests/ops/test_quant_matmul.py",
     "linear_cross_entropy": "tests/ops/test_linear_cross_entropy.py",
+    "grad_norm": "tests/ops/test_grad_norm.py",
 }

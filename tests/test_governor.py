@@ -227,3 +227,86 @@ def test_state_dict_round_trip_resumes_exactly(curve, settings):
             resumed.observe(loss)
         assert resumed.history == reference.history, cut
         assert resumed.state_dict() == reference.state_dict(), cut
+
+
+# Bad input (issue 27 item 5): refused with a clear error, and a refused call changes nothing.
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"window": 2.5}, "window"),
+    ({"window": True}, "window"),
+    ({"patience": 1.5}, "patience"),
+    ({"cooldown": 0.5}, "cooldown"),
+])
+def test_a_count_of_the_wrong_type_is_a_type_error(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        Governor(BUDGET, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"flop_budget": float("nan")}, "flop_budget"),
+    ({"flop_budget": float("inf")}, "flop_budget"),
+    ({"window": 1}, "window"),
+    ({"min_improvement": float("nan")}, "min_improvement"),
+    ({"min_improvement": -0.1}, "min_improvement"),
+    ({"reallocate_fraction": float("nan")}, "reallocate_fraction"),
+    ({"flops_per_token": float("nan")}, "flops_per_token"),
+    ({"suggestion": {"update_gap_factor": float("nan")}}, "update_gap_factor"),
+    ({"suggestion": {"rho_factor": 0.0}}, "rho_factor"),
+])
+def test_bad_settings_are_refused(kwargs, match):
+    kwargs = {"flop_budget": BUDGET, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        Governor(**kwargs)
+
+
+@pytest.mark.parametrize("flops", [float("nan"), float("inf"), -1.0])
+def test_non_finite_or_negative_flops_are_refused_and_change_nothing(flops):
+    governor = Governor(BUDGET)
+    governor.add_flops(10.0)
+    with pytest.raises(ValueError, match="flops"):
+        governor.add_flops(flops)
+    with pytest.raises(ValueError, match="flops"):
+        governor.observe(3.0, flops=flops)
+    assert governor.spent_flops == 10.0
+    assert governor.evaluations == 0 and governor.history == []
+
+
+def test_flops_going_backwards_are_refused_before_the_count_changes():
+    governor = Governor(BUDGET)
+    governor.observe(3.0, flops=100.0)
+    with pytest.raises(ValueError, match="must grow"):
+        governor.observe(2.9, flops=50.0)
+    assert governor.spent_flops == 100.0
+    assert governor.evaluations == 1
+
+
+def test_a_nan_budget_cannot_be_reached_through_the_count():
+    governor = Governor(BUDGET)
+    with pytest.raises(ValueError):
+        governor.add_flops(float("nan"))
+    governor.add_flops(BUDGET)
+    assert governor.exhausted
+    assert governor.observe(3.0).action == "stop"
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), -2.0, 0.0, "2", True])
+def test_apply_governor_refuses_a_bad_factor_and_changes_nothing(factor):
+    import frugal_kernels as fk
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for opt, key in [(fk.AdaFRUGAL(model.parameters(), rho_steps=10), "update_gap_factor"),
+                     (fk.AdaFRUGAL(model.parameters(), rho_steps=10), "rho_factor"),
+                     (fk.BAdam(model, switch_every=4, blocks=[[r"0\..*"], [r"1\..*"]]), "update_gap_factor"),
+                     (fk.BAdam(model, switch_every=4, blocks=[[r"0\..*"], [r"1\..*"]]),
+                      "switch_every_factor")]:
+        before = (opt.update_gap if hasattr(opt, "update_gap") else None, list(opt.history),
+                  getattr(opt, "_switch_every", None))
+        decision = Decision(action="reallocate", reason="", evaluation=1, step=1, flops=1.0,
+                            loss=1.0, remaining_flops=1.0, suggestion={key: factor})
+        with pytest.raises((TypeError if isinstance(factor, (str, bool)) else ValueError),
+                           match=key):
+            opt.apply_governor(decision)
+        after = (opt.update_gap if hasattr(opt, "update_gap") else None, list(opt.history),
+                 getattr(opt, "_switch_every", None))
+        assert after == before

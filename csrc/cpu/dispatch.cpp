@@ -27,6 +27,7 @@ struct Level {
                      const FrugalScalars&, int, uint32_t, int);
   void (*dequantize)(const uint8_t*, const float*, int64_t, int64_t, int64_t, int, void*, DType,
                      int);
+  double (*grad_norm)(const void* const*, const int64_t*, int64_t, DType, bool, int);
 };
 
 bool always() { return true; }
@@ -44,7 +45,7 @@ bool has_avx512() {
 
 #define FK_LEVEL(ns, supported) \
   Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step, \
-        ns::lowrank_adamw_step, ns::dqt_update, ns::dequantize }
+        ns::lowrank_adamw_step, ns::dqt_update, ns::dequantize, ns::grad_norm }
 
 const Level kLevels[] = {
 #if defined(FK_HAVE_X86_LEVELS)
@@ -156,6 +157,11 @@ void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& 
 void dequantize(const uint8_t* codes, const float* scales, int64_t scale_count, int64_t rows,
                 int64_t cols, int bits, void* out, DType dtype, int num_threads) {
   active().dequantize(codes, scales, scale_count, rows, cols, bits, out, dtype, num_threads);
+}
+
+double grad_norm(const void* const* grads, const int64_t* numel, int64_t count, DType dtype,
+                 bool max_norm, int num_threads) {
+  return active().grad_norm(grads, numel, count, dtype, max_norm, num_threads);
 }
 
 }  // namespace cpu

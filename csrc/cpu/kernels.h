@@ -85,6 +85,8 @@ FK_HOST_DEVICE FrugalScalars frugal_scalars(const FrugalHyper& h) {
                   int num_threads);                                                           \
   void dequantize(const uint8_t* codes, const float* scales, int64_t scale_count, int64_t rows, \
                   int64_t cols, int bits, void* out, DType dtype, int num_threads);           \
+  double grad_norm(const void* const* grads, const int64_t* numel, int64_t count, DType dtype, \
+                   bool max_norm, int num_threads);                                           \
   }
 
 FK_DECLARE_CPU_KERNELS(baseline)
@@ -128,6 +130,11 @@ void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& 
 // rows) to the weight W = s * q [rows, cols], written to `out` in `dtype`.
 void dequantize(const uint8_t* codes, const float* scales, int64_t scale_count, int64_t rows,
                 int64_t cols, int bits, void* out, DType dtype, int num_threads);
+
+// The sum of squares (max_norm false) or the largest magnitude (true) of every element
+// of `count` gradients of one dtype, in double: non-finite exactly when an element is.
+double grad_norm(const void* const* grads, const int64_t* numel, int64_t count, DType dtype,
+                 bool max_norm, int num_threads);
 
 }  // namespace cpu
 }  // namespace frugal

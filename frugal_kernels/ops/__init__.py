@@ -20,7 +20,9 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
   packed INT-n codes inside the GEMM (``nn.QuantLinear`` on a GPU; out of place);
 - :func:`linear_cross_entropy` — the output layer and the cross-entropy loss without the
   ``[N, V]`` logits in memory, with per-token scores (loss, EL2N, gradient norm) and
-  gradients of hidden, weight and bias through autograd (out of place).
+  gradients of hidden, weight and bias through autograd (out of place);
+- :func:`grad_norm` — the global norm of a list of gradients and their non-finite
+  flag in one read (the optimizers' ``clip_grad_norm_`` and skip check; out of place).
 
 The registered operators are ``torch.ops.frugal.<op>``; the functions here
 accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
@@ -31,14 +33,15 @@ from frugal_kernels.ops.adamw import adamw_
 from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
+from frugal_kernels.ops.grad_norm import grad_norm
+from frugal_kernels.ops.linear_cross_entropy import linear_cross_entropy
 from frugal_kernels.ops.lowrank_adamw_step import lowrank_adamw_step_
 from frugal_kernels.ops.lowrank_step import lowrank_step_
-from frugal_kernels.ops.linear_cross_entropy import linear_cross_entropy
 from frugal_kernels.ops.quant_matmul import quant_matmul
 from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
-           "dqt_update_", "dequantize", "quant_matmul", "linear_cross_entropy",
+           "dqt_update_", "dequantize", "quant_matmul", "grad_norm", "linear_cross_entropy",
            "BACKENDS", "CAPABILITIES",
            "resolve", "usable_backends"]

@@ -38,6 +38,8 @@ CAPABILITIES = {
     # The chunked loss on torch's GEMM is the CPU path (no C++ kernel): it and Triton's
     # tiles; frugal::linear_cross_entropy_backward follows the same choice.
     "frugal::linear_cross_entropy": frozenset(("triton", "torch")),
+    # The global gradient norm and non-finite flag (out of place).
+    "frugal::grad_norm": frozenset(("cpu", "triton", "torch")),
 }
 
 

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from frugal_kernels.optim.base import check_int, check_number
 from frugal_kernels.optim.frugal import FRUGAL
+from frugal_kernels.optim.governed import suggested_factor
 
 __all__ = ["AdaFRUGAL"]
 
@@ -169,9 +170,8 @@ class AdaFRUGAL(FRUGAL):
         """Take a :class:`frugal_kernels.Governor` reallocation: grow T by its
         ``update_gap_factor`` now and scale rho by its ``rho_factor`` from the next
         subspace change (``opt.rho`` is the density in effect, so it changes then)."""
-        suggestion = getattr(decision, "suggestion", None) or {}
-        gap_factor = float(suggestion.get("update_gap_factor", 1.0))
-        rho_factor = float(suggestion.get("rho_factor", 1.0))
+        gap_factor = suggested_factor(decision, "update_gap_factor")
+        rho_factor = suggested_factor(decision, "rho_factor")
         if gap_factor > 1.0:
             self._grow_gap(gap_factor, "governor: grow T")
         if 0.0 < rho_factor < 1.0:

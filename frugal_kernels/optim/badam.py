@@ -15,6 +15,7 @@ from frugal_kernels._layout import on_device
 from frugal_kernels.optim import sharding
 from frugal_kernels.optim.base import check_nonfinite, first_nonfinite, skip_flag
 from frugal_kernels.optim.frugal import FRUGAL
+from frugal_kernels.optim.governed import suggested_factor
 from frugal_kernels.optim.memory import release_freed_memory
 
 __all__ = ["BAdam", "SWITCH_MODES", "INNER_OPTIMIZERS"]
@@ -238,9 +239,7 @@ class BAdam(torch.optim.Optimizer):
         ``switch_every`` by ``decision.suggestion["switch_every_factor"]``, or, when
         that key is absent, by the Governor's default ``"update_gap_factor"`` (BAdam's
         switch interval plays the part of FRUGAL's T). Factors <= 1 change nothing."""
-        suggestion = getattr(decision, "suggestion", None) or {}
-        factor = float(suggestion.get("switch_every_factor",
-                                      suggestion.get("update_gap_factor", 1.0)))
+        factor = suggested_factor(decision, "switch_every_factor", "update_gap_factor")
         if factor <= 1.0:
             return
         new = math.ceil(self._switch_every * factor)

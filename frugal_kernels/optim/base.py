@@ -83,6 +83,8 @@ class FusedOptimizer(Optimizer):
         self._tensor_index: Dict[Tensor, Tuple[int, int]] = {}
         # The DTensor parameters' layouts (FSDP2): where each rank's rows lie.
         self._layouts: Dict[Tensor, ShardLayout] = {}
+        # What clip_grad_norm_ hands to the next step: (clip factor, non-finite flag).
+        self._pending_clip: Optional[Tuple[Tensor, Tensor]] = None
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------- subclass hooks
@@ -133,6 +135,40 @@ class FusedOptimizer(Optimizer):
         ``self.state`` once (the step counts of a plan are views of one tensor)."""
         return storage_bytes(value for st in self.state.values() for value in st.values()
                              if isinstance(value, Tensor))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
+        over this optimizer's parameters, in one read of them.
+
+        Returns the total norm of the gradients (a 0-dim float32 tensor, as torch's). The
+        gradients are not rewritten: the clip factor ``min(1, max_norm / (norm + 1e-6))``
+        is handed to the next :meth:`step`, whose fused ops apply it as they read the
+        gradients (with a GradScaler's scale folded in), and the norm pass's non-finite
+        flag is that step's skip decision, so the step makes no pass of its own over the
+        gradients. The update equals clipping first and stepping after with the same
+        factor, to the bit for float32 gradients (a 16-bit gradient is multiplied in
+        float32 without being rounded back to 16 bits first). Under FSDP2 the norm is
+        reduced over the ranks. Call it after backward, right before ``step()``.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {max_norm!r}")
+        if not (math.isfinite(max_norm) and max_norm >= 0):
+            raise ValueError(f"max_norm must be finite and >= 0, got {max_norm}")
+        norm_type = float(norm_type)
+        if not (norm_type == 2.0 or norm_type == math.inf):
+            raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
+        grads = [sharding.local(p.grad) for group in self.param_groups for p in group["params"]
+                 if p.grad is not None]
+        total, found_inf = global_norm(grads, norm_type, self._shard_groups())
+        if error_if_nonfinite and not bool(torch.isfinite(total)):  # the sync torch makes too
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                               "non-finite, so it cannot be clipped; to skip such steps "
+                               "instead, leave error_if_nonfinite=False")
+        # torch's factor, to the bit: computed in float32 from the float32 norm.
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._pending_clip = (factor, found_inf)
+        return total
 
     def add_param_group(self, param_group: dict) -> None:
         gi = len(self.param_groups)
@@ -197,6 +233,7 @@ class FusedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         prepared = self._prepare_step()
+        self._pending_clip = None  # taken by this step, whatever happens below
         self._apply(*prepared)
         self._uncount_skipped(prepared[3])
         return loss
@@ -237,13 +274,18 @@ class FusedOptimizer(Optimizer):
         else:
             grads = [[p.grad for p in b.params] for b in self._plan]
         # GradScaler's scale goes to the ops, which divide it out as they read the
-        # gradients: no separate pass over them (8 bytes per parameter).
-        return self._plan, grads, getattr(self, "grad_scale", None), found_inf
+        # gradients: no separate pass over them (8 bytes per parameter). So does the
+        # factor of a clip_grad_norm_ (12 bytes per parameter that torch's clip writes).
+        grad_scale = getattr(self, "grad_scale", None)
+        if self._pending_clip is not None:
+            grad_scale = clipped_scale(grad_scale, self._pending_clip[0])
+        return self._plan, grads, grad_scale, found_inf
 
     def _skip_flag(self, with_grads: List[Tuple[int, int, Tensor]],
                    local_grads: List[Tensor]) -> Optional[Tensor]:
+        clip_flag = None if self._pending_clip is None else self._pending_clip[1]
         return skip_flag(getattr(self, "found_inf", None), self.nonfinite, with_grads,
-                         self._shard_groups(), local_grads)
+                         self._shard_groups(), local_grads, clip_flag)
 
     @torch._dynamo.disable
     def _uncount_skipped(self, found_inf: Optional[Tensor]) -> None:
@@ -613,7 +655,8 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
 
 def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
               with_grads: List[Tuple[int, int, Tensor]], shard_groups: List[Any],
-              local_grads: Optional[List[Tensor]] = None) -> Optional[Tensor]:
+              local_grads: Optional[List[Tensor]] = None,
+              clip_flag: Optional[Tensor] = None) -> Optional[Tensor]:
     """A step's found_inf: a one-element tensor, non-zero when the step must be skipped,
     decided on the device (None: nothing to skip). ``found_inf`` is a GradScaler's flag,
     used as it is (the scaler computed it over these gradients); without one, under
@@ -621,9 +664,14 @@ def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
     index, index, tensor) triples; ``local_grads``, when given, are those gradients,
     a DTensor's as its local block). Over the ranks of ``shard_groups`` (FSDP2) the
     flag is their maximum. ``nonfinite="raise"`` reads the flag here (its one host
-    sync) and raises a ValueError naming the parameter."""
+    sync) and raises a ValueError naming the parameter. ``clip_flag``, the flag of a
+    ``clip_grad_norm_`` over these gradients (already agreed over the ranks), replaces
+    that read."""
     own = found_inf is None and nonfinite != "propagate" and bool(with_grads)
-    if own:
+    if own and clip_flag is not None:
+        flag = clip_flag.detach().reshape(1).clone()
+        shard_groups = []  # the clip's norm was reduced over the ranks
+    elif own:
         if local_grads is None:
             local_grads = [sharding.local(p.grad) for _, _, p in with_grads]
         flag = _nonfinite_flag(local_grads)
@@ -652,8 +700,9 @@ def _nonfinite_flag(grads: List[Tensor]) -> Tensor:
     ``grads`` (plain tensors, a DTensor's local block) holds a NaN or an infinity, else
     0, computed on the devices without a host sync.
 
-    GradScaler's own check: one fused read of the gradients per device, multiplying
-    them by 1.0, which leaves every value as it was."""
+    One read of the gradients per device: ``ops.grad_norm``'s on the CPU (threaded, at
+    memory bandwidth), else GradScaler's own check (which multiplies them by 1.0, leaving
+    every value as it was)."""
     device = grads[0].device
     if len(set(map(Tensor.get_device, grads))) == 1:
         by_device = {device: grads}  # the common case, without a dict of lists
@@ -663,10 +712,64 @@ def _nonfinite_flag(grads: List[Tensor]) -> Tensor:
             by_device[g.device].append(g)
     flag = None
     for dev, on_dev in by_device.items():
-        found = torch.zeros(1, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(on_dev, found, torch.ones(1, device=dev))
+        if _fused_norm(dev):
+            found = ops.grad_norm(on_dev)[1]
+        else:
+            found = torch.zeros(1, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(on_dev, found,
+                                                             torch.ones(1, device=dev))
         flag = found if flag is None else torch.maximum(flag, found.to(device), out=flag)
     return flag
+
+
+def _fused_norm(device: torch.device) -> bool:
+    """Whether the flag is read with ``ops.grad_norm``: on the CPU, where its C++ kernel
+    reads the gradients on every thread and GradScaler's check on one (about 7 ms of a
+    10-17 ms FRUGAL step on a 4096 x 4096 matrix, issue 31). On a GPU that check is itself
+    one fused read at bandwidth, launched without the host work of a Triton launch and
+    capturable in a CUDA graph, so it stays."""
+    return device.type == "cpu" and ops.resolve("auto", device, "frugal::grad_norm") == "cpu"
+
+
+def global_norm(grads: List[Tensor], norm_type: float, shard_groups: List[Any]
+                ) -> Tuple[Tensor, Tensor]:
+    """The norm of ``grads`` (local blocks of DTensors included) as one vector over every
+    device and rank, and its non-finite flag: ``ops.grad_norm`` per device, the devices'
+    norms combined on the first, the ranks' by an all-reduce (as torch reduces a
+    DTensor's). No host sync."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32), torch.zeros(1, dtype=torch.float32)
+    by_device: Dict[torch.device, List[Tensor]] = defaultdict(list)
+    for g in grads:
+        by_device[g.device].append(g)
+    device = grads[0].device
+    parts = [ops.grad_norm(on_dev, norm_type=norm_type) for on_dev in by_device.values()]
+    norms = torch.stack([n.to(device) for n, _ in parts])
+    flag = torch.stack([f.to(device) for _, f in parts]).amax().reshape(1)
+    groups = [g for g in shard_groups if g is not None]
+    if norm_type == math.inf:
+        total = norms.amax() if len(parts) > 1 else norms[0]
+        if groups:
+            total = sharding.max_over_ranks_(total.reshape(1).clone(), groups).reshape(())
+    else:
+        squares = norms.double().square().sum()
+        if groups:
+            squares = sharding.sum_over_ranks_(squares.reshape(1), groups).reshape(())
+        total = squares.sqrt().float() if (groups or len(parts) > 1) else norms[0]
+    if groups:
+        sharding.max_over_ranks_(flag, groups)
+    return total, flag
+
+
+def clipped_scale(grad_scale: Optional[Tensor], factor: Tensor) -> Tensor:
+    """The ``grad_scale`` the ops take (they multiply the gradients by its inverse, computed
+    in double and rounded to float32 once) for a clip ``factor``: ``scale / factor`` in
+    double, whose inverse rounds back to exactly ``factor / scale`` (for a GradScaler's
+    power-of-two scale, exactly the product of both multipliers)."""
+    factor = factor.detach().reshape(()).double()
+    if grad_scale is None:
+        return factor.reciprocal()
+    return grad_scale.detach().reshape(()).to(factor.device).double() / factor
 
 
 def first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]

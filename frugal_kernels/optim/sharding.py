@@ -271,6 +271,19 @@ def max_over_ranks_(flag: Tensor, groups: Iterable[object]) -> Tensor:
     return flag
 
 
+def sum_over_ranks_(value: Tensor, groups: Iterable[object]) -> Tensor:
+    """``value`` replaced, in place, by its sum over the ranks of ``group`` (one process
+    group: the ranks a tensor's rows are sharded over). Summing over several groups would
+    count a rank's share once per group, so that is refused."""
+    groups = [g for g in groups if g is not None]
+    if len(groups) > 1:
+        raise NotImplementedError("a sum over the parameters' ranks needs them sharded over "
+                                  f"one process group; they are sharded over {len(groups)}")
+    for group in groups:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
+
+
 def _contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
     stride, step = [], 1
     for size in reversed(shape):

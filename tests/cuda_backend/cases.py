@@ -9,9 +9,11 @@ from frugal_kernels import _quant
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import STATE_FREE_RULES, subset_dim, subset_state_shape
 
+from ..required import skip_unless_required
+
 _C = extension()
 if _C is None:
-    pytest.skip("frugal_kernels._C is not built", allow_module_level=True)
+    skip_unless_required("frugal_kernels._C is not built")
 
 # Per kernel: threads, chunk (elements a block owns), max_tensors and
 # max_blocks per launch, and for frugal_step_ the tile (8 tiles a block).

@@ -19,14 +19,16 @@ from frugal_kernels._layout import subset_dim
 from frugal_kernels._layout import subset_state_shape as state_shape
 
 from ..ops.helpers import assert_within_gemm_bound, quant_matmul_case
+from ..required import skip_unless_required
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-    pytest.mark.skipif("cpu" not in ops.usable_backends("cpu"),
-                       reason="frugal_kernels._C is not built (the cpu backend)"),
 ]
+# The reference here is the cpu backend: on a GPU machine without it, every test would skip.
+if torch.cuda.is_available() and "cpu" not in ops.usable_backends("cpu"):
+    skip_unless_required("frugal_kernels._C is not built (the cpu backend)")
 
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -186,8 +188,11 @@ def lowrank_batch(dtype, gen, exact: bool):
     return columns + [[side for _, _, side in LOWRANK_CASES]]
 
 
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# Each dtype with one place for lr, not both: 9 tests of 3 compilations each (the sides,
+# and N % 16 for side 0), not 18; the path of the scalars does not depend on the dtype.
+@pytest.mark.parametrize("dtype, where", [(torch.float32, "host"), (torch.bfloat16, "device"),
+                                          (torch.float16, "host")],
+                         ids=["fp32-host", "bf16-device", "fp16-host"])
 @pytest.mark.parametrize("state_free", ["sign", "sgd", "none"])
 def test_lowrank_step(state_free, dtype, where):
     """Exact back-projections: the cpu backend's bits. Orthonormal P: the products are
@@ -283,3 +288,23 @@ def test_quant_matmul(bits, transpose_weight, dtype):
                                cols=cols, transpose_weight=transpose_weight, backend="triton")
         assert_within_gemm_bound(out.cpu(), a, q, scales, bias, transpose_weight,
                                  what=f"{(m, rows, cols)}")
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2", "inf"])
+def test_grad_norm(norm_type):
+    """The compiled norm kernel against the cpu backend (fp64 sums in another order: equal
+    to fp32 rounding) and its flag for every non-finite value."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(n, generator=gen) * 3).to(dtype)
+             for dtype in DTYPES for n in SIZES]
+    norm, found = ops.grad_norm([g.cuda() for g in grads], norm_type=norm_type,
+                                backend="triton")
+    expected, _ = ops.grad_norm(grads, norm_type=norm_type, backend="cpu")
+    assert norm.device.type == "cuda" and found.item() == 0.0
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    for bad, want in [(float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "inf")]:
+        broken = [g.cuda() for g in grads]
+        broken[4][999_999] = bad
+        norm, found = ops.grad_norm(broken, norm_type=norm_type, backend="triton")
+        assert found.item() == 1.0
+        assert str(norm.item()) == want

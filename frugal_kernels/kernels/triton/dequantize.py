@@ -46,7 +46,10 @@ def load_codes(codes_ptr, r, c, mask, packed_cols, BITS: tl.constexpr):
     return ((low >> shift) & ((1 << BITS) - 1)) - QMAX
 
 
-@triton.jit
+# No size is specialised: the codes are loaded byte by byte through a division by C and
+# the output is written at contiguous positions whatever the sizes, so a variant per
+# "== 1" or "% 16 == 0" of each would buy nothing but compilations.
+@triton.jit(do_not_specialize=["total", "C", "packed_cols", "scale_stride"])
 def _dequantize_kernel(codes_ptr, scale_ptr, out_ptr, total, C, packed_cols, scale_stride,
                        BITS: tl.constexpr, BLOCK: tl.constexpr):
     pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -101,7 +101,11 @@ def _back_projections(u_ptr, lg_ptr, proj_ptr, rows, cols, M, N, R, SIDE: tl.con
     return acc_u, acc_g
 
 
-@triton.jit
+# M and R are not specialised (Triton compiles a variant per "== 1" and "% 16 == 0" of
+# each specialised integer, so a model's tensors could need several): M only bounds the
+# tiles, and R the rank loop of a compute-bound kernel. N stays specialised: its
+# divisibility lets the loads and the store of p and g be vectorised.
+@triton.jit(do_not_specialize=["M", "R"])
 def _lowrank_step_kernel(p_ptr, g_ptr, u_ptr, lg_ptr, proj_ptr, tail, M, N, R, decay, step, amp,
                          AMP: tl.constexpr, SIDE: tl.constexpr, STATE_FREE: tl.constexpr,
                          SCALARS_IN_KERNEL: tl.constexpr, BLOCK_M: tl.constexpr,
