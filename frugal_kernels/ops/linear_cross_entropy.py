@@ -277,11 +277,10 @@ class _Torch:
         return max(MIN_ROWS, CHUNK_BYTES // (4 * vocab))
 
     @staticmethod
-    def _chunk(hidden, targets, kept_all, w32, b32, r0, rows):
-        r1 = min(hidden.shape[0], r0 + rows)
-        h = hidden[r0:r1]
-        kept = kept_all[r0:r1]
-        t = torch.where(kept, targets[r0:r1], 0).long()
+    def _chunk(hidden, targets, kept_all, w32, b32, rows: slice):
+        h = hidden[rows]
+        kept = kept_all[rows]
+        t = torch.where(kept, targets[rows], 0).long()
         z = h.float() @ w32.t()
         if b32 is not None:
             z += b32
@@ -296,9 +295,9 @@ class _Torch:
         return gh, gw, gb
 
     @staticmethod
-    def _accumulate(d: Tensor, h: Tensor, w32: Tensor, r0: int, grads) -> None:
+    def _accumulate(d: Tensor, h: Tensor, w32: Tensor, rows: slice, grads) -> None:
         gh, gw, gb = grads
-        torch.mm(d, w32, out=gh[r0:r0 + d.shape[0]])
+        torch.mm(d, w32, out=gh[rows])
         gw.addmm_(d.t(), h.float())
         if gb is not None:
             gb += d.sum(0)
@@ -312,59 +311,70 @@ class _Torch:
     @classmethod
     def forward(cls, hidden, weight, targets, bias, ignore_index, label_smoothing, reduction,
                 compute_grads, with_el2n):
-        n, vocab = hidden.shape[0], weight.shape[0]
+        n = hidden.shape[0]
         w32 = weight.float()
         b32 = None if bias is None else bias.float()
         f32 = dict(dtype=torch.float32, device=hidden.device)
         loss_tok, lse, el2n = (torch.zeros(n, **f32) for _ in range(3))
-        kept_all = targets != ignore_index
+        kept = targets != ignore_index
         scale = row_scales(targets, ignore_index, reduction)
         grads = cls._grads_init(hidden, weight, bias) if compute_grads else None
-        rows = cls._rows(vocab)
+        rows = cls._rows(weight.shape[0])
         for r0 in range(0, n, rows):
-            h, kept, t, z = cls._chunk(hidden, targets, kept_all, w32, b32, r0, rows)
-            r1 = r0 + h.shape[0]
-            picked = z.gather(1, t[:, None]).squeeze(1)
-            mean_z = z.mean(1) if label_smoothing else None
-            # In place (torch.logsumexp would allocate two more chunks): the chunk's one
-            # [rows, V] buffer becomes exp(z - max), then the softmax times c, then d.
-            m = z.amax(1, keepdim=True)
-            e = z.sub_(m).exp_()
-            s = e.sum(1, keepdim=True)
-            lse[r0:r1] = (m + s.log()).squeeze(1)
-            tok = lse[r0:r1] - picked
-            if label_smoothing:
-                tok = (1.0 - label_smoothing) * tok + label_smoothing * (lse[r0:r1] - mean_z)
-            loss_tok[r0:r1] = torch.where(kept, tok, 0.0)
-            if grads is None and not with_el2n:
-                continue
-            # With gradients each row is weighted by its scale (> 0 where kept: a mean's
-            # 1 / count, a sum's 1), and el2n is the row's norm divided by it.
-            c = scale[r0:r1] if grads is not None else kept.float()
-            d = _minus_target(e, s.squeeze(1), t, c, label_smoothing)
-            if with_el2n:
-                norm = torch.linalg.vector_norm(d, dim=1)
-                el2n[r0:r1] = torch.where(kept, norm / c.clamp_min(1e-30), 0.0)
-            if grads is not None:
-                cls._accumulate(d, h, w32, r0, grads)
+            # One chunk per call: its buffer is freed before the next one is allocated.
+            cls._forward_chunk(slice(r0, min(n, r0 + rows)), hidden, targets, kept, w32, b32,
+                               label_smoothing, scale, grads, with_el2n, loss_tok, lse, el2n)
         out = None if grads is None else cls._grads_out(grads, hidden, weight, bias)
         return loss_tok, lse, el2n, out
+
+    @classmethod
+    def _forward_chunk(cls, rows, hidden, targets, kept, w32, b32, label_smoothing, scale,
+                       grads, with_el2n, loss_tok, lse, el2n):
+        h, kept, t, z = cls._chunk(hidden, targets, kept, w32, b32, rows)
+        picked = z.gather(1, t[:, None]).squeeze(1)
+        mean_z = z.mean(1) if label_smoothing else None
+        # In place (torch.logsumexp would allocate two more chunks): the chunk's one
+        # [rows, V] buffer becomes exp(z - max), then the softmax times c, then d.
+        m = z.amax(1, keepdim=True)
+        e = z.sub_(m).exp_()
+        s = e.sum(1, keepdim=True)
+        lse[rows] = (m + s.log()).squeeze(1)
+        tok = lse[rows] - picked
+        if label_smoothing:
+            tok = (1.0 - label_smoothing) * tok + label_smoothing * (lse[rows] - mean_z)
+        loss_tok[rows] = torch.where(kept, tok, 0.0)
+        if grads is None and not with_el2n:
+            return
+        # With gradients each row is weighted by its scale (> 0 where kept: a mean's
+        # 1 / count, a sum's 1), and el2n is the row's norm divided by it.
+        c = scale[rows] if grads is not None else kept.float()
+        d = _minus_target(e, s.squeeze(1), t, c, label_smoothing)
+        if with_el2n:
+            norm = torch.linalg.vector_norm(d, dim=1)
+            el2n[rows] = torch.where(kept, norm / c.clamp_min(1e-30), 0.0)
+        if grads is not None:
+            cls._accumulate(d, h, w32, rows, grads)
 
     @classmethod
     def backward(cls, hidden, weight, targets, bias, lse, scale, ignore_index,
                  label_smoothing):
         w32 = weight.float()
         b32 = None if bias is None else bias.float()
-        kept_all = targets != ignore_index
+        kept = targets != ignore_index
         grads = cls._grads_init(hidden, weight, bias)
+        n = hidden.shape[0]
         rows = cls._rows(weight.shape[0])
-        for r0 in range(0, hidden.shape[0], rows):
-            h, kept, t, z = cls._chunk(hidden, targets, kept_all, w32, b32, r0, rows)
-            r1 = r0 + h.shape[0]
-            d = _minus_target(z.sub_(lse[r0:r1, None]).exp_(), 1.0, t, scale[r0:r1],
-                              label_smoothing)
-            cls._accumulate(d, h, w32, r0, grads)
+        for r0 in range(0, n, rows):
+            cls._backward_chunk(slice(r0, min(n, r0 + rows)), hidden, targets, kept, w32, b32,
+                                lse, scale, label_smoothing, grads)
         return cls._grads_out(grads, hidden, weight, bias)
+
+    @classmethod
+    def _backward_chunk(cls, rows, hidden, targets, kept, w32, b32, lse, scale,
+                        label_smoothing, grads):
+        h, _, t, z = cls._chunk(hidden, targets, kept, w32, b32, rows)
+        d = _minus_target(z.sub_(lse[rows, None]).exp_(), 1.0, t, scale[rows], label_smoothing)
+        cls._accumulate(d, h, w32, rows, grads)
 
 
 class _Triton:
