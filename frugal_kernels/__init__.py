@@ -8,7 +8,7 @@ Layers (see DESIGN.md): ``frugal_kernels.ops`` holds the fused ops as
 
 from frugal_kernels._version import __version__
 from frugal_kernels._build_info import build_info
-from frugal_kernels import nn, ops, reference
+from frugal_kernels import data, nn, ops, reference
 from frugal_kernels.governor import Governor
 from frugal_kernels.nn import quantize_
 from frugal_kernels.optim import (DQT, FRUGAL, AdaFRUGAL, BAdam, optimizer_state_dict_template,
