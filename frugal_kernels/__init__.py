@@ -14,7 +14,7 @@ from frugal_kernels import _versions
 _versions.warn_if_unsupported()
 
 from frugal_kernels._build_info import build_info
-from frugal_kernels import nn, ops, reference
+from frugal_kernels import data, nn, ops, reference
 from frugal_kernels.governor import Governor
 from frugal_kernels.nn import quantize_
 from frugal_kernels.optim import (DQT, FRUGAL, AdaFRUGAL, BAdam, optimizer_state_dict_template,

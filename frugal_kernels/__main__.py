@@ -157,7 +157,7 @@ def _bench(args: argparse.Namespace) -> int:
                        with_optimizers="optimizers" in sections and not args.no_optimizers,
                        with_overhead=with_overhead,
                        with_dqt="dqt" in sections,
-                       with_clip="clip" in sections,
+                       with_clip="clip" in sections, with_loss="loss" in sections,
                        with_in_backward="in_backward" in sections and not args.no_in_backward,
                        preset=args.preset, rounds=args.rounds, dtypes=args.dtypes,
                        fresh_processes=args.fresh_processes, stem=args.stem, only=args.only,
@@ -596,7 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "in_backward (the memory of a LLaMA-20m training step, ordinary "
                             "vs frugal_kernels.step_in_backward), dqt (QuantLinear storage, "
                             "a whole training step of one layer, and on a GPU its forward "
-                            "with the fused dequantize-matmul against nn.Linear)")
+                            "with the fused dequantize-matmul against nn.Linear), loss (peak "
+                            "memory and time of ops.linear_cross_entropy against the unfused "
+                            "F.cross_entropy(hidden @ weight.T))")
     bench.add_argument("--preset", choices=sorted(PRESETS),
                        help="model shape of the optimizer part (default 130m, 20m with --quick) "
                             "and of the in_backward part (default 20m)")

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from frugal_kernels.ops import linear_cross_entropy
+
 __all__ = [
     "PRESETS",
     "LlamaConfig",
@@ -125,11 +127,12 @@ PRESETS: dict[str, LlamaConfig] = {
 class CausalLMOutput:
     """What :meth:`LlamaForCausalLM.forward` returns.
 
-    ``logits`` has shape ``[batch, seq_len, vocab_size]``; ``loss`` is the mean next-token
-    cross-entropy when labels were given, else ``None``.
+    ``logits`` has shape ``[batch, seq_len, vocab_size]`` (None when the model's loss is
+    fused, ``frugal_kernels.nn.patch_causal_lm``, and labels were given); ``loss`` is the
+    mean next-token cross-entropy when labels were given, else ``None``.
     """
 
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     loss: Optional[torch.Tensor] = None
 
 
@@ -262,6 +265,10 @@ class LlamaForCausalLM(nn.Module):
         seed: seed of :meth:`init_weights`; the same seed gives the same weights on any device.
     """
 
+    #: Options of ``ops.linear_cross_entropy`` when the head and the loss are fused
+    #: (``frugal_kernels.nn.patch_causal_lm`` sets them); None: logits, then F.cross_entropy.
+    fused_loss: Optional[dict] = None
+
     def __init__(self, config: LlamaConfig, seed: int = 0) -> None:
         super().__init__()
         self.config = config
@@ -296,8 +303,15 @@ class LlamaForCausalLM(nn.Module):
         ``labels`` is aligned with ``input_ids`` (usually the same tensor), as in Hugging Face:
         the shift is done here, so position ``t`` is scored on ``labels[:, t + 1]``. Labels
         equal to -100 are ignored. The loss is the mean over the ``seq_len - 1`` scored
-        positions of every sequence.
+        positions of every sequence. With a fused loss (``fused_loss``) and labels, the
+        logits are never formed and the output's ``logits`` is None.
         """
+        if labels is not None and self.fused_loss is not None:
+            hidden = self.model(input_ids)
+            loss, _ = linear_cross_entropy(hidden[:, :-1], self.lm_head.weight, labels[:, 1:],
+                                           bias=self.lm_head.bias, ignore_index=-100,
+                                           **self.fused_loss)
+            return CausalLMOutput(logits=None, loss=loss)
         logits = self.lm_head(self.model(input_ids))
         loss = None
         if labels is not None:

@@ -28,7 +28,7 @@ def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
 
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
-           "dqt_update_", "dequantize", "quant_matmul", "grad_norm"]
+           "dqt_update_", "dequantize", "quant_matmul", "grad_norm", "linear_cross_entropy"]
 
 
 
@@ -345,6 +345,43 @@ def quant_matmul(a: Tensor, codes: Tensor, scales: Tensor, bias: Optional[Tensor
     return out.to(a.dtype)
 
 
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
+                         bias: Optional[Tensor] = None, *, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, reduction: str = "mean",
+                         scores: Sequence[str] = ()):
+    """``ops.linear_cross_entropy`` from the full ``[N, V]`` logits, in fp32: the loss of
+    ``F.cross_entropy(hidden @ weight.T + bias, targets)`` and the per-token scores.
+
+    Differentiable (autograd through the logits), so it is also the ground truth of the
+    gradients. Returns ``(loss, {name: [N] fp32 tensor})``; ignored tokens score 0.
+    """
+    z = hidden.float() @ weight.float().t()
+    if bias is not None:
+        z = z + bias.float()
+    per_token = torch.nn.functional.cross_entropy(
+        z, targets.long(), ignore_index=ignore_index, label_smoothing=label_smoothing,
+        reduction="none")
+    loss = {"none": per_token, "sum": per_token.sum()}.get(reduction)
+    if loss is None:
+        loss = per_token.sum() / (targets != ignore_index).sum()
+    kept = targets != ignore_index
+    out = {}
+    with torch.no_grad():
+        vocab = z.shape[1]
+        # The target of the smoothed loss: (1 - eps) on the label, eps / V everywhere.
+        q = torch.full_like(z, label_smoothing / vocab)
+        rows = kept.nonzero().flatten()
+        q[rows, targets[rows].long()] += 1.0 - label_smoothing
+        # The gradient of a token's loss with respect to its logits is softmax(z) - q.
+        el2n = (torch.softmax(z, dim=1) - q).norm(dim=1) * kept
+        for name in scores:
+            if name == "loss":
+                out[name] = per_token.detach().clone()
+            elif name == "el2n":
+                out[name] = el2n
+            else:
+                out[name] = el2n * hidden.float().norm(dim=1)
+    return loss, out
 # Elements a grad_norm pass widens to double at a time: the reference runs on any device,
 # and a whole gradient in double would be twice its own size again.
 _NORM_CHUNK = 1 << 20

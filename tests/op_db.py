@@ -868,5 +868,6 @@ OPS = (ADAMW, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP, LOWRANK_ADAMW_STEP, DQT_
 OUT_OF_PLACE_OPS = {
     "dequantize": "tests/ops/test_dequantize.py",
     "quant_matmul": "tests/ops/test_quant_matmul.py",
+    "linear_cross_entropy": "tests/ops/test_linear_cross_entropy.py",
     "grad_norm": "tests/ops/test_grad_norm.py",
 }

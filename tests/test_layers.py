@@ -37,6 +37,7 @@ LAYERS = {
     "frugal_kernels.nn": 3.5,  # modules on the ops, whose weights the DQT optimizer reads
     "frugal_kernels.optim": 4,
     "frugal_kernels.governor": 4,
+    "frugal_kernels.data": 4,  # online selection: the fused loss's scores, over a model
     "frugal_kernels.model": 4,
     "frugal_kernels._build_info": 4,  # what was built and which backends run: above ops
     "frugal_kernels": 5,  # the package's own __init__: the public names

@@ -17,6 +17,7 @@ from frugal_kernels.bench import clip as _clip
 from frugal_kernels.bench import dqt as _dqt
 from frugal_kernels.bench import fingerprint as _fingerprint
 from frugal_kernels.bench import in_backward as _in_backward
+from frugal_kernels.bench import loss as _loss
 from frugal_kernels.bench import ops as _ops
 from frugal_kernels.bench import optimizers as _optimizers
 from frugal_kernels.bench import overhead as _overhead
@@ -25,7 +26,7 @@ from frugal_kernels.bench import report
 __all__ = ["run", "SECTIONS", "default_stem", "device_defaults"]
 
 # The parts of a run, as `frugal-kernels bench --only` names them, in the order they run.
-SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt", "clip")
+SECTIONS = ("ops", "optimizers", "overhead", "in_backward", "dqt", "clip", "loss")
 
 
 def default_stem(fingerprint: dict, quick: bool, only: Optional[Sequence[str]] = None) -> str:
@@ -48,6 +49,7 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
         op_names: Optional[Sequence[str]] = None, with_ops: bool = True,
         with_optimizers: bool = True, with_overhead: Optional[bool] = None,
         with_in_backward: bool = True, with_dqt: bool = True, with_clip: bool = True,
+        with_loss: bool = True,
         preset: Optional[str] = None,
         rounds: Optional[int] = None, dtypes: Optional[Sequence[str]] = None,
         fresh_processes: Optional[bool] = None, stem: Optional[str] = None,
@@ -162,6 +164,14 @@ def run(*, device: str = "auto", quick: bool = False, out: Optional[Path] = None
                                              rounds=max(3, rounds // 2))
             bar.update(1)
         done("clip", since)
+    if with_loss:
+        since = time.perf_counter()
+        shapes = _loss.shapes_for(dev, quick)
+        with tqdm(total=sum(len(v) for _, _, v in shapes), desc="fused linear cross-entropy",
+                  unit="shape") as bar:
+            result["loss"] = _loss.run(dev, shapes=shapes, rounds=max(3, rounds // 5),
+                                       fresh_processes=fresh_processes, progress=bar)
+        done("loss", since)
     result["complete"] = True
     result["files"] = [str(p) for p in report.write(result, out, stem)]
     return result

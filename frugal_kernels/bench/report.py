@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
+from frugal_kernels.bench import loss as _loss
+
 
 def _fmt_numel(n: int) -> str:
     return f"{n / 2**20:g}M" if n >= 2**20 else f"{n / 2**10:g}K"
@@ -139,6 +141,7 @@ def markdown(result: dict) -> str:
                         [[name, f"{t * 1e3:.1f}", f"{step['vs_linear_adamw'][name]:.2f}"]
                          for name, t in step["seconds"].items()])
         lines += _dqt_forward_lines(dqt.get("forward"))
+    lines += _loss.markdown_lines(result.get("loss"))
     lines += _clip_lines(result.get("clip"))
     return "\n".join(lines)
 

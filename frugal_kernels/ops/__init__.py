@@ -18,6 +18,9 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
   side of ``nn.QuantLinear``; out of place);
 - :func:`quant_matmul` — ``a @ W.T + bias`` (or ``a @ W``) with ``W`` read from its
   packed INT-n codes inside the GEMM (``nn.QuantLinear`` on a GPU; out of place);
+- :func:`linear_cross_entropy` — the output layer and the cross-entropy loss without the
+  ``[N, V]`` logits in memory, with per-token scores (loss, EL2N, gradient norm) and
+  gradients of hidden, weight and bias through autograd (out of place);
 - :func:`grad_norm` — the global norm of a list of gradients and their non-finite
   flag in one read (the optimizers' ``clip_grad_norm_`` and skip check; out of place).
 
@@ -37,6 +40,7 @@ from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
 from frugal_kernels.ops.grad_norm import grad_norm
+from frugal_kernels.ops.linear_cross_entropy import linear_cross_entropy
 from frugal_kernels.ops.lowrank_adamw_step import lowrank_adamw_step_
 from frugal_kernels.ops.lowrank_step import lowrank_step_
 from frugal_kernels.ops.quant_matmul import quant_matmul
@@ -58,7 +62,7 @@ unchecked = SimpleNamespace(**{name: spec.unchecked for name, spec in SPECS.item
                                if spec.prepares})
 
 __all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
-           "dqt_update_", "dequantize", "quant_matmul", "grad_norm",
+           "dqt_update_", "dequantize", "quant_matmul", "grad_norm", "linear_cross_entropy",
            "BACKENDS", "CAPABILITIES", "SPECS", "unchecked",
            "SIZE_LIMITS", "implements", "kernel_backend", "resolve", "usable_backends",
            "worth_calling"]

@@ -42,6 +42,9 @@ CAPABILITIES = {
     "frugal::dequantize": frozenset(("cpu", "triton", "torch")),
     # QuantLinear's CPU path is its own blocked dequantize-then-GEMM: no C++ kernel.
     "frugal::quant_matmul": frozenset(("triton", "torch")),
+    # The chunked loss on torch's GEMM is the CPU path (no C++ kernel): it and Triton's
+    # tiles; frugal::linear_cross_entropy_backward follows the same choice.
+    "frugal::linear_cross_entropy": frozenset(("triton", "torch")),
     # The global gradient norm and non-finite flag (out of place).
     "frugal::grad_norm": frozenset(("cpu", "triton", "torch")),
 }

@@ -1,0 +1,150 @@
+"""Online data selection: score candidate sequences with the fused loss, train on the best.
+
+:class:`OnlineSelector` takes a candidate batch (``candidates`` times the batch the step
+trains on), scores every sequence with one no-grad forward pass whose loss is
+``ops.linear_cross_entropy`` (the per-token scores come with the loss: no logits, no
+second pass), and keeps the ``keep`` fraction with the highest scores:
+
+- ``"loss"``: the sequence's mean token loss (SelectiveBackprop, Jiang et al. 2019);
+- ``"el2n"``: its mean ``||softmax(z) - onehot(y)||`` (EL2N, Paul et al. 2021);
+- ``"rho"``: its mean loss minus that of a small reference model trained on a holdout
+  split (RHO-LOSS, Mindermann et al. 2022): high where the model can still learn, low on
+  noise the reference cannot predict either.
+
+Ties are broken by a seeded generator, so a selection is a function of the scores, the
+seed and the number of calls so far; :meth:`state_dict` holds that state (put it in the
+training checkpoint) and :meth:`load_state_dict` resumes it. ``scored_tokens`` counts the
+tokens the scoring passes read, so that a run can count their FLOPs
+(:meth:`scoring_flops`). Models: frugal_kernels' ``LlamaForCausalLM`` and Hugging Face
+``*ForCausalLM`` (a ``model`` trunk and an ``lm_head``/output embedding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from frugal_kernels.ops import linear_cross_entropy
+
+__all__ = ["OnlineSelector", "POLICIES", "sequence_scores"]
+
+POLICIES = ("loss", "el2n", "rho")
+
+
+def _hidden_and_head(model: nn.Module, input_ids: Tensor):
+    out = model.model(input_ids)
+    hidden = out if isinstance(out, Tensor) else out[0]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else \
+        model.lm_head
+    return hidden, head
+
+
+@torch.no_grad()
+def sequence_scores(model: nn.Module, input_ids: Tensor, labels: Optional[Tensor] = None,
+                    score: str = "loss", backend: str = "auto") -> Tensor:
+    """Each sequence's mean per-token ``score`` (``"loss"`` or ``"el2n"``), fp32 ``[B]``,
+    position ``t`` scored on ``labels[:, t + 1]`` (``labels`` default: ``input_ids``),
+    ``-100`` ignored; a sequence with no scored token gets 0."""
+    labels = input_ids if labels is None else labels
+    hidden, head = _hidden_and_head(model, input_ids)
+    _, scores = linear_cross_entropy(hidden[:, :-1], head.weight, labels[:, 1:],
+                                     bias=head.bias, reduction="none", scores=(score,),
+                                     backend=backend)
+    counted = (labels[:, 1:] != -100).sum(1)
+    return scores[score].sum(1) / counted.clamp_min(1)
+
+
+class OnlineSelector:
+    """Keep the best ``keep`` fraction of a candidate batch by ``policy`` (module docstring).
+
+    Args:
+        policy: ``"loss"``, ``"el2n"`` or ``"rho"``.
+        keep: the fraction of the candidates trained on, in (0, 1].
+        candidates: how many times the trained batch the caller draws and passes in (the
+            selector scores whatever it is given; the training loop sizes its batch with it).
+        reference: the reference model of ``"rho"`` (required there, unused otherwise).
+        seed: of the generator that breaks ties.
+        backend: of the fused loss.
+    """
+
+    def __init__(self, policy: str = "loss", keep: float = 0.5, candidates: int = 2, *,
+                 reference: Optional[nn.Module] = None, seed: int = 0,
+                 backend: str = "auto") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"OnlineSelector: policy must be one of {', '.join(POLICIES)}, "
+                             f"got {policy!r}")
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or \
+                not 0.0 < keep <= 1.0:
+            raise ValueError(f"OnlineSelector: keep must be in (0, 1], got {keep!r}")
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+            raise ValueError(f"OnlineSelector: candidates must be an int >= 1, got "
+                             f"{candidates!r}")
+        if policy == "rho" and reference is None:
+            raise ValueError("OnlineSelector: policy 'rho' needs a reference model")
+        self.policy = policy
+        self.keep = float(keep)
+        self.candidates = candidates
+        self.reference = reference
+        self.backend = backend
+        self.generator = torch.Generator().manual_seed(seed)
+        self.calls = 0
+        self.scored_tokens = 0
+
+    def scores(self, model: nn.Module, input_ids: Tensor,
+               labels: Optional[Tensor] = None) -> Tensor:
+        """Each candidate's score under the policy, fp32 ``[B]`` (no gradients)."""
+        kind = "el2n" if self.policy == "el2n" else "loss"
+        s = sequence_scores(model, input_ids, labels, kind, self.backend)
+        self.scored_tokens += input_ids.numel()
+        if self.policy == "rho":
+            s = s - sequence_scores(self.reference, input_ids, labels, "loss", self.backend)
+        return s
+
+    def select(self, model: nn.Module, input_ids: Tensor,
+               labels: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+        """``(input_ids[kept], labels[kept], kept)``: the ``ceil(keep * B)`` candidates with
+        the highest scores (ties in the generator's random order), ``kept`` ascending."""
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+            raise ValueError(f"OnlineSelector: input_ids must be [B, T] with B >= 1, got "
+                             f"{tuple(input_ids.shape)}")
+        was_training = model.training
+        model.eval()
+        try:
+            s = self.scores(model, input_ids, labels).cpu()
+        finally:
+            model.train(was_training)
+        kept = self.choose(s)
+        index = kept.to(input_ids.device)
+        return (input_ids[index], None if labels is None else labels[index], kept)
+
+    def choose(self, scores: Tensor) -> Tensor:
+        """The indices kept from ``scores`` ``[B]`` (highest first, ties in a random order
+        drawn from the generator), sorted ascending."""
+        b = scores.shape[0]
+        count = max(1, math.ceil(self.keep * b - 1e-9))
+        order = torch.randperm(b, generator=self.generator)
+        ranked = order[torch.sort(scores[order], descending=True, stable=True).indices]
+        self.calls += 1
+        return ranked[:count].sort().values
+
+    def scoring_flops(self, forward_flops_per_token: float,
+                      reference_flops_per_token: float = 0.0) -> float:
+        """FLOPs of the scoring passes so far: the model's forward FLOPs per token, plus the
+        reference model's under ``rho``, times the tokens scored."""
+        extra = reference_flops_per_token if self.policy == "rho" else 0.0
+        return self.scored_tokens * (forward_flops_per_token + extra)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "calls": self.calls,
+                "scored_tokens": self.scored_tokens, "policy": self.policy, "keep": self.keep}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("policy") != self.policy or state.get("keep") != self.keep:
+            raise ValueError(f"OnlineSelector: the state is of policy {state.get('policy')!r}, "
+                             f"keep {state.get('keep')!r}, not {self.policy!r}, {self.keep!r}")
+        self.generator.set_state(state["generator"])
+        self.calls = int(state["calls"])
+        self.scored_tokens = int(state["scored_tokens"])
