@@ -40,6 +40,7 @@ from torch import Tensor
 
 from frugal_kernels._layout import PARAM_DTYPES
 from frugal_kernels.ops import _dispatch
+from frugal_kernels.ops._spec import Implementations
 
 OP = "frugal::linear_cross_entropy"
 BACKWARD_OP = "frugal::linear_cross_entropy_backward"
@@ -401,7 +402,10 @@ class _Triton:
                         label_smoothing)
 
 
-_IMPLS = {"torch": _Torch, "triton": _Triton}
+_IMPLS = Implementations(OP)
+_IMPLS.backend("torch")(_Torch)
+_IMPLS.backend("triton")(_Triton)
+_IMPLS.complete()
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *,
