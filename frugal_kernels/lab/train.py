@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.lab.corpus import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
+from frugal_kernels.lab.schedule import evaluation_due, governed_schedule
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
 from frugal_kernels.nn import QuantLinear
@@ -64,7 +65,8 @@ class TrainConfig:
     follows a cosine from the end of the warmup. Validation runs every ``eval_every`` steps and at
     the end, on the same ``eval_batches`` batches of ``batch_size`` each time.
     ``flop_budget`` puts the run under a :class:`~frugal_kernels.Governor` built with
-    ``governor`` (its keyword arguments).
+    ``governor`` (its keyword arguments); with ``decay_fraction`` among them the governor
+    starts the WSD decay (:mod:`frugal_kernels.lab.schedule`) and ends the run after it.
 
     ``parallel`` spreads the run over the processes of an initialized default process
     group (``torchrun``): ``"ddp"`` (DistributedDataParallel) or ``"fsdp"`` (FSDP2's
@@ -122,6 +124,10 @@ class TrainConfig:
                                  f"{getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.governor.get("decay_fraction") is not None and self.schedule != "wsd":
+            raise ValueError("a governor with decay_fraction starts the decay of a "
+                             f"warmup-stable-decay schedule; schedule={self.schedule!r} has "
+                             "none: use schedule='wsd'")
 
     def model_config(self, vocab_size: int) -> LlamaConfig:
         return LlamaConfig.from_preset(self.model, vocab_size=vocab_size,
@@ -458,9 +464,6 @@ def train(
     opt = make_optimizer(model, config)
     in_backward = handle_of(opt)
     _check_clip(config, in_backward)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_factor(step, config.steps, config.warmup_steps, config.min_lr_ratio,
-                                    config.schedule, config.cooldown_fraction))
     governor = None
     if config.flop_budget is not None:
         governor = Governor(config.flop_budget, flops_per_token=fpt, **config.governor)
@@ -468,6 +471,12 @@ def train(
         # recorded; attaching them would only log that reallocations cannot change them.
         if callable(getattr(opt, "apply_governor", None)):
             governor.attach(opt)
+    # A governor with decay_fraction starts the decay of the WSD schedule (lab/schedule.py).
+    governed = governed_schedule(governor, config.warmup_steps, config.min_lr_ratio)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, governed or (lambda step: lr_factor(step, config.steps, config.warmup_steps,
+                                                 config.min_lr_ratio, config.schedule,
+                                                 config.cooldown_fraction)))
     observe_loss = getattr(opt, "observe_loss", None)
 
     name = name or type(opt).__name__
@@ -531,7 +540,7 @@ def train(
             # A budget spent mid-interval ends the run at this step, evaluated, rather than
             # overshooting by up to eval_every steps.
             due = (step % config.eval_every == 0 or step == config.steps
-                   or (governor is not None and governor.exhausted))
+                   or evaluation_due(governor))
             decision = None
             if due:
                 val_loss = _evaluate(forward, val_batches)
@@ -545,6 +554,8 @@ def train(
                     observe_loss(val_loss)
                 if governor is not None:
                     decision = governor.observe(val_loss, step=step)
+                    if decision.action == "decay":
+                        governed.apply_now(schedule)
                     if decision.action != "continue":
                         bar.write(f"{name}: governor {decision.action} at step {step}: "
                                   f"{decision.reason}")
