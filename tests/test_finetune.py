@@ -131,3 +131,16 @@ def test_the_finetune_demo_from_the_command_line(tmp_path, capsys):
     # The second run finds the base in the cache.
     assert main(argv[:-2] + ["adamw"]) == 0
     assert not json.loads((out / "metrics.json").read_text())["base"]["built"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["demo", "--optimizers", "lora"], "rows of --task finetune only"),
+    (["demo", "--task", "finetune", "--optimizers", "dqt8"], "not a row of --task finetune"),
+])
+def test_a_row_of_the_other_task_is_refused_before_any_training(argv, fragment, capsys,
+                                                                 tmp_path):
+    assert main(argv + ["--out", str(tmp_path / "out"), "--base-cache",
+                        str(tmp_path / "base")]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "base").exists()
