@@ -144,3 +144,10 @@ def test_a_row_of_the_other_task_is_refused_before_any_training(argv, fragment, 
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "base").exists()
+
+
+def test_data_replaces_the_finetuning_domain_not_the_base(tmp_path):
+    (tmp_path / "notes.txt").write_text("fine-tune on this\n" * 2000)
+    base, data = finetune.finetune_data(dataclasses.replace(TINY, data=str(tmp_path)))
+    assert base.source == "stdlib without tests"
+    assert data.source == str(tmp_path) and data.train[:4].tolist() == list(b"fine")
