@@ -205,10 +205,15 @@ def _progress(args: argparse.Namespace):
 def _demo(args: argparse.Namespace) -> int:
     from frugal_kernels.lab import demo
 
+    if args.task == "finetune":
+        return _finetune(args)
+    only_finetune = [n for n in args.optimizers or () if n not in demo.OPTIMIZERS]
+    if only_finetune:
+        raise CommandLineError(f"{', '.join(only_finetune)}: rows of --task finetune only")
     config = _train_config(args, demo.DEFAULTS)
     out = _out(args, "demo")
     data = _load_data(config)
-    names = demo.available(demo.resolve(args.optimizers))
+    names = demo.available(demo.resolve(args.optimizers or demo.DEFAULT_RUNS))
     # --lr or --matrix-lr-ratio: every optimizer at the given lrs; else each at its tuned ones.
     tuned = args.lr is None and args.matrix_lr_ratio is None
     print(f"frugal-kernels demo: the {config.model} model, {config.steps} steps of "
@@ -220,6 +225,32 @@ def _demo(args: argparse.Namespace) -> int:
                             data=data, overwrite=True)
     print()
     print(demo.table(metrics))
+    print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
+    print(f"results in {metrics['out']}")
+    return 0
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from frugal_kernels.lab import finetune
+
+    not_rows = [n for n in args.optimizers or () if n not in finetune.ROWS]
+    if not_rows:
+        raise CommandLineError(f"{', '.join(not_rows)}: not a row of --task finetune (its "
+                               f"rows: {', '.join(finetune.ROWS)})")
+    config = _train_config(args, finetune.DEFAULTS)
+    print(f"frugal-kernels demo --task finetune: the {config.model} model pretrained for "
+          f"{args.base_steps} steps on the standard library without its tests (cached under "
+          f"{args.base_cache}), then fine-tuned for {config.steps} steps of "
+          f"{config.batch_size}x{config.seq_len} tokens on "
+          f"{config.data or 'its test modules'}, on {config.device}, every row at lr "
+          f"{config.lr:g} (matrices x{config.matrix_lr_ratio:g})")
+    out = _out(args, "demo")
+    metrics = finetune.run_finetune(config, args.optimizers or finetune.DEFAULT_RUNS,
+                                    out=out, progress=_progress(args),
+                                    base_steps=args.base_steps, cache=args.base_cache,
+                                    rebuild_base=args.rebuild_base)
+    print()
+    print(finetune.table(metrics))
     print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
     print(f"results in {metrics['out']}")
     return 0
@@ -486,12 +517,31 @@ def build_parser() -> argparse.ArgumentParser:
                     "tuned.json, then print a table of validation loss, held memory, optimizer "
                     "state, peak memory and step time, and write metrics.json, table.md, "
                     "table.csv and demo.png. The defaults take about 5 minutes on a 2-core CPU.")
+    from frugal_kernels.lab import finetune
+
+    finetune_only = [n for n in finetune.ROWS if n not in demo.OPTIMIZERS]
     demo_parser.add_argument(
-        "--optimizers", nargs="+", metavar="NAME", default=list(demo.DEFAULT_RUNS),
-        type=_choice(list(demo.OPTIMIZERS)),
-        help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)} (default: "
-             f"{', '.join(demo.DEFAULT_RUNS)}, those whose package is installed); a "
-             "governed run brings the run its budget comes from")
+        "--task", choices=["pretrain", "finetune"], default="pretrain",
+        help="pretrain (default): every run trains the same fresh model; finetune: a base "
+             "pretrained on the standard library without its tests (cached under "
+             "--base-cache) is fine-tuned by every run on the test modules or on --data, "
+             "and the table adds each run's loss on the base's own domain (forgetting) and "
+             "the governed runs' FLOPs against their twins")
+    demo_parser.add_argument(
+        "--optimizers", nargs="+", metavar="NAME",
+        type=_choice(list(demo.OPTIMIZERS) + finetune_only),
+        help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)}, and with --task finetune "
+             f"{', '.join(finetune_only)} (default: {', '.join(demo.DEFAULT_RUNS)}; with "
+             f"--task finetune {', '.join(finetune.DEFAULT_RUNS)}; those whose package is "
+             "installed); a governed run brings the run its budget comes from")
+    demo_parser.add_argument("--base-steps", type=_positive_int, default=finetune.BASE_STEPS,
+                             help=f"--task finetune: steps of the base's pretraining with "
+                                  f"AdamW (default: {finetune.BASE_STEPS})")
+    demo_parser.add_argument("--base-cache", type=Path, default=Path("runs/finetune-base"),
+                             help="--task finetune: folder of the cached bases, one per hash "
+                                  "of their settings (default: runs/finetune-base)")
+    demo_parser.add_argument("--rebuild-base", action="store_true",
+                             help="--task finetune: pretrain the base again even if cached")
     _add_training_arguments(demo_parser, demo.DEFAULTS)
     demo_parser.set_defaults(func=_demo)
 

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels.lab.corpus import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
+from frugal_kernels.lab.schedule import evaluation_due, governed_schedule
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
 from frugal_kernels.optim.in_backward import handle_of
@@ -70,7 +71,8 @@ class TrainConfig:
     follows a cosine from the end of the warmup. Validation runs every ``eval_every`` steps and at
     the end, on the same ``eval_batches`` batches of ``batch_size`` each time.
     ``flop_budget`` puts the run under a :class:`~frugal_kernels.Governor` built with
-    ``governor`` (its keyword arguments).
+    ``governor`` (its keyword arguments); with ``decay_fraction`` among them the governor
+    starts the WSD decay (:mod:`frugal_kernels.lab.schedule`) and ends the run after it.
 
     ``parallel`` spreads the run over the processes of an initialized default process
     group (``torchrun``): ``"ddp"`` (DistributedDataParallel) or ``"fsdp"`` (FSDP2's
@@ -133,6 +135,10 @@ class TrainConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if self.governor.get("decay_fraction") is not None and self.schedule != "wsd":
+            raise ValueError("a governor with decay_fraction starts the decay of a "
+                             f"warmup-stable-decay schedule; schedule={self.schedule!r} has "
+                             "none: use schedule='wsd'")
 
     def model_config(self, vocab_size: int) -> LlamaConfig:
         return LlamaConfig.from_preset(self.model, vocab_size=vocab_size,
@@ -568,9 +574,6 @@ def train(
     opt = make_optimizer(model, config)
     in_backward = handle_of(opt)
     _check_clip(config, in_backward)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_factor(step, config.steps, config.warmup_steps, config.min_lr_ratio,
-                                    config.schedule, config.cooldown_fraction))
     governor = None
     if config.flop_budget is not None:
         governor = Governor(config.flop_budget, flops_per_token=fpt, **config.governor)
@@ -578,6 +581,12 @@ def train(
         # recorded; attaching them would only log that reallocations cannot change them.
         if callable(getattr(opt, "apply_governor", None)):
             governor.attach(opt)
+    # A governor with decay_fraction starts the decay of the WSD schedule (lab/schedule.py).
+    governed = governed_schedule(governor, config.warmup_steps, config.min_lr_ratio)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, governed or (lambda step: lr_factor(step, config.steps, config.warmup_steps,
+                                                 config.min_lr_ratio, config.schedule,
+                                                 config.cooldown_fraction)))
     observe_loss = getattr(opt, "observe_loss", None)
     flops, elapsed_before = 0.0, 0.0
     if resume is not None:
@@ -669,7 +678,7 @@ def train(
             # A budget spent mid-interval ends the run at this step, evaluated, rather than
             # overshooting by up to eval_every steps.
             due = (step % config.eval_every == 0 or step == config.steps
-                   or (governor is not None and governor.exhausted))
+                   or evaluation_due(governor))
             decision = None
             if due:
                 val_loss = _evaluate(forward, val_batches)
@@ -685,6 +694,8 @@ def train(
                     observe_loss(val_loss)
                 if governor is not None:
                     decision = governor.observe(val_loss, step=step)
+                    if decision.action == "decay":
+                        governed.apply_now(schedule)
                     if decision.action != "continue":
                         bar.write(f"{name}: governor {decision.action} at step {step}: "
                                   f"{decision.reason}")
