@@ -128,8 +128,8 @@ def test_the_finetune_demo_from_the_command_line(tmp_path, capsys):
     assert any(d["action"] == "decay" for d in governed["decisions"])
     assert "Forgetting" in printed and "FLOPs vs its twin" in printed
     assert "Forgetting" in (out / "table.md").read_text()
-    # The second run finds the base in the cache.
-    assert main(argv[:-2] + ["adamw"]) == 0
+    # The second run finds the base in the cache (--overwrite: the same --out).
+    assert main(argv[:-2] + ["adamw", "--overwrite"]) == 0
     assert not json.loads((out / "metrics.json").read_text())["base"]["built"]
 
 
