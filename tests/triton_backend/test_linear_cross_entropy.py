@@ -101,9 +101,15 @@ _COMPILE = textwrap.dedent("""
         b = dict(h_ptr="*" + dtype, w_ptr="*" + dtype, b_ptr="*" + dtype, t_ptr="*i64",
                  lse_ptr="*fp32", scale_ptr="*fp32", gh_ptr="*fp32", gw_ptr="*fp32",
                  gb_ptr="*fp32", N="i32", V="i32", D="i32", eps="fp32")
+        # The loops' step counts (constexpr, as Triton 3.6's interpreter needs them): a
+        # 32,000 x 512 head.
+        steps = {k._forward_kernel: dict(V_STEPS=triton.cdiv(32000, k.BLOCK_V),
+                                         D_STEPS=triton.cdiv(512, k.BLOCK_D)),
+                 k._backward_kernel: dict(D_STEPS=triton.cdiv(512, k.BLOCK_D))}
         for fn, signature in ((k._forward_kernel, f), (k._backward_kernel, b)):
-            signature = {**signature, **{c: "constexpr" for c in common}}
-            source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=common)
+            constexprs = {**common, **steps[fn]}
+            signature = {**signature, **{c: "constexpr" for c in constexprs}}
+            source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
             ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                  options={"num_warps": k.NUM_WARPS}).asm["ptx"]
             if wide:

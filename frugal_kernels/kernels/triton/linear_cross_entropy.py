@@ -50,12 +50,12 @@ NUM_WARPS = 4
 @triton.jit
 def _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_in, col_in, D,
                 HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr):
     """``hidden[rows] @ weight[cols].T + bias[cols]`` in fp32, [BLOCK_N, BLOCK_V]."""
     acc = tl.full((BLOCK_N, BLOCK_V), 0.0, tl.float32)
     ks = tl.arange(0, BLOCK_D).to(tl.int64)
-    for k0 in range(0, D, BLOCK_D):
-        kk = k0 + ks
+    for k_step in range(D_STEPS):
+        kk = k_step * BLOCK_D + ks
         k_in = kk < D
         a = tl.load(h_ptr + (rows[:, None] * D + kk[None, :]),
                     mask=row_in[:, None] & k_in[None, :], other=0.0)
@@ -73,7 +73,8 @@ def _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_in, col_in, D,
 @triton.jit
 def _forward_kernel(h_ptr, w_ptr, b_ptr, t_ptr, loss_ptr, lse_ptr, el2n_ptr, N, V, D,
                     ignore_index, eps, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                    V_STEPS: tl.constexpr, D_STEPS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < N
     t = tl.load(t_ptr + rows, mask=row_in, other=0).to(tl.int64)
@@ -84,11 +85,11 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, t_ptr, loss_ptr, lse_ptr, el2n_ptr, N, 
     s2_other = tl.full((BLOCK_N,), 0.0, tl.float32)
     sum_z = tl.full((BLOCK_N,), 0.0, tl.float32)
     z_y = tl.full((BLOCK_N,), 0.0, tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+    for v_step in range(V_STEPS):
+        cols = v_step * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
         col_in = cols < V
         z = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_in, col_in, D, HAS_BIAS, WIDE,
-                        BLOCK_N, BLOCK_V, BLOCK_D)
+                        BLOCK_N, BLOCK_V, BLOCK_D, D_STEPS)
         is_t = cols[None, :] == t[:, None]
         z_y += tl.sum(tl.where(is_t, z, 0.0), axis=1)
         sum_z += tl.sum(tl.where(col_in[None, :], z, 0.0), axis=1)
@@ -116,7 +117,8 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, t_ptr, loss_ptr, lse_ptr, el2n_ptr, N, 
 @triton.jit
 def _backward_kernel(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr,
                      N, V, D, eps, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                     D_STEPS: tl.constexpr):
     tiles_v = tl.cdiv(V, BLOCK_V)
     pid = tl.program_id(0)
     rows = (pid // tiles_v).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,7 +126,7 @@ def _backward_kernel(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, scale_ptr, gh_ptr, gw_
     row_in = rows < N
     col_in = cols < V
     z = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_in, col_in, D, HAS_BIAS, WIDE,
-                    BLOCK_N, BLOCK_V, BLOCK_D)
+                    BLOCK_N, BLOCK_V, BLOCK_D, D_STEPS)
     t = tl.load(t_ptr + rows, mask=row_in, other=0).to(tl.int64)
     lse = tl.load(lse_ptr + rows, mask=row_in, other=0.0)
     # 0 beyond N and for ignored tokens (the host's row scales): their rows of d vanish.
@@ -137,8 +139,8 @@ def _backward_kernel(h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, scale_ptr, gh_ptr, gw_
     if not WIDE:
         d = to_param(d, h_ptr.dtype.element_ty)
     ks = tl.arange(0, BLOCK_D).to(tl.int64)
-    for k0 in range(0, D, BLOCK_D):
-        kk = k0 + ks
+    for k_step in range(D_STEPS):
+        kk = k_step * BLOCK_D + ks
         k_in = kk < D
         w = tl.load(w_ptr + (cols[:, None] * D + kk[None, :]),
                     mask=col_in[:, None] & k_in[None, :], other=0.0)
@@ -175,7 +177,8 @@ def forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tens
             hidden, weight, weight if bias is None else bias, targets, loss, lse, el2n, n, v, d,
             ignore_index, float(label_smoothing), HAS_BIAS=bias is not None,
             WIDE=wide_products(hidden.dtype), BLOCK_N=block_n, BLOCK_V=BLOCK_V,
-            BLOCK_D=BLOCK_D, num_warps=NUM_WARPS)
+            BLOCK_D=BLOCK_D, V_STEPS=triton.cdiv(v, BLOCK_V), D_STEPS=triton.cdiv(d, BLOCK_D),
+            num_warps=NUM_WARPS)
     return loss, lse, el2n
 
 
@@ -198,6 +201,6 @@ def backward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Ten
             scale.contiguous(), gh, gw, gw if gb is None else gb, n, v, d,
             float(label_smoothing), HAS_BIAS=bias is not None,
             WIDE=wide_products(hidden.dtype), BLOCK_N=block_n, BLOCK_V=BLOCK_V,
-            BLOCK_D=BLOCK_D, num_warps=NUM_WARPS)
+            BLOCK_D=BLOCK_D, D_STEPS=triton.cdiv(d, BLOCK_D), num_warps=NUM_WARPS)
     return (gh.to(hidden.dtype), gw.to(weight.dtype),
             weight.new_empty((0,)) if gb is None else gb.to(bias.dtype))
