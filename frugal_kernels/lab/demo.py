@@ -327,6 +327,24 @@ def run_config(config: TrainConfig, name: str, tuned: bool = True) -> TrainConfi
     return dataclasses.replace(config, lr=best["lr"], matrix_lr_ratio=best["matrix_lr_ratio"])
 
 
+def run_folder(out, command: str, overwrite: bool, progress, **options) -> Path:
+    """The run's output folder, made and checked before any training
+    (:func:`output_folder`); its note (a new folder beside earlier results) on stderr."""
+    out, note = output_folder(out, command, overwrite, **options)
+    if note and progress:
+        print(note, file=sys.stderr)
+    return out
+
+
+def checked_data(config: TrainConfig, data: Optional[TokenDataset] = None) -> TokenDataset:
+    """``data`` (the config's corpus when None), refused before any training when it is too
+    small for the config's batches."""
+    if data is None:
+        data = load_corpus(config.data, max_bytes=config.max_bytes)
+    check_data(data, config)
+    return data
+
+
 def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS,
              out: Optional[Path] = None, progress: bool | str = True,
              tuned: bool = True, data: Optional[TokenDataset] = None,
@@ -345,12 +363,8 @@ def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS
     Ctrl-C writes the finished runs and raises :class:`Interrupted`.
     """
     names = available(resolve(names))
-    out, note = output_folder(out, "demo", overwrite)
-    if note and progress:
-        print(note, file=sys.stderr)
-    if data is None:
-        data = load_corpus(config.data, max_bytes=config.max_bytes)
-    check_data(data, config)
+    out = run_folder(out, "demo", overwrite, progress)
+    data = checked_data(config, data)
     initial = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
     started = time.perf_counter()
     results: dict[str, RunResult] = {}
@@ -415,13 +429,9 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
     first = config.parallel is None or torch.distributed.get_rank() == 0
     if first:
         # Resuming keeps the checkpoint it resumes from until the next one replaces it.
-        out, note = output_folder(out, "train", overwrite,
-                                  keep=("checkpoint.pt",) if resume is not None else ())
-        if note and progress:
-            print(note, file=sys.stderr)
-    if data is None:
-        data = load_corpus(config.data, max_bytes=config.max_bytes)
-    check_data(data, config)
+        out = run_folder(out, "train", overwrite, progress,
+                         keep=("checkpoint.pt",) if resume is not None else ())
+    data = checked_data(config, data)
     logger = None
     if log is not None and first:
         from frugal_kernels.lab.train import metric_logger

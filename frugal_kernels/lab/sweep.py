@@ -26,9 +26,8 @@ import torch
 
 from frugal_kernels.lab import demo
 from frugal_kernels.lab import tuned as tuned_lrs
-from frugal_kernels.lab.corpus import TokenDataset, load_corpus
-from frugal_kernels.lab.output import output_folder
-from frugal_kernels.lab.train import TrainConfig, check_data, train
+from frugal_kernels.lab.corpus import TokenDataset
+from frugal_kernels.lab.train import TrainConfig, train
 
 __all__ = ["best_settings", "run_sweep", "table"]
 
@@ -68,12 +67,8 @@ def run_sweep(config: TrainConfig, names: Sequence[str], lrs: Sequence[float],
     names = demo.available(_unique(names, "--optimizers"))
     lrs, ratios = _unique(lrs, "--lrs"), _unique(ratios, "--matrix-lr-ratio")
     seeds = _unique(seeds, "--seeds")
-    out, note = output_folder(out, "sweep", overwrite)
-    if note and progress:
-        print(note, file=sys.stderr)
-    if data is None:
-        data = load_corpus(config.data, max_bytes=config.max_bytes)
-    check_data(data, config)
+    out = demo.run_folder(out, "sweep", overwrite, progress)
+    data = demo.checked_data(config, data)
     started = time.perf_counter()
     from frugal_kernels.bench.fingerprint import fingerprint
 
