@@ -33,7 +33,7 @@ from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
 from frugal_kernels.optim.sharding import ShardLayout
 
-__all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "check_adamw_options", "check_int",
+__all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "by_device", "check_adamw_options", "check_int",
            "check_nonfinite", "check_number", "first_nonfinite", "skip_flag"]
 
 _ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -701,6 +701,17 @@ def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
     return flag
 
 
+def by_device(tensors: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
+    """``tensors`` grouped by device, in their order; the common case of one device without
+    building a dict of lists."""
+    if len(set(map(Tensor.get_device, tensors))) == 1:
+        return {tensors[0].device: tensors}
+    out: Dict[torch.device, List[Tensor]] = defaultdict(list)
+    for t in tensors:
+        out[t.device].append(t)
+    return out
+
+
 def _nonfinite_flag(grads: List[Tensor]) -> Tensor:
     """A one-element float32 tensor on the first gradient's device: 1 when one of
     ``grads`` (plain tensors, a DTensor's local block) holds a NaN or an infinity, else
@@ -710,14 +721,8 @@ def _nonfinite_flag(grads: List[Tensor]) -> Tensor:
     gradients (threaded, at memory bandwidth), else GradScaler's own check (which
     multiplies them by 1.0, leaving every value as it was)."""
     device = grads[0].device
-    if len(set(map(Tensor.get_device, grads))) == 1:
-        by_device = {device: grads}  # the common case, without a dict of lists
-    else:
-        by_device = defaultdict(list)
-        for g in grads:
-            by_device[g.device].append(g)
     flag = None
-    for dev, on_dev in by_device.items():
+    for dev, on_dev in by_device(grads).items():
         if _fused_norm(dev, on_dev):
             found = ops.grad_norm(on_dev)[1]
         else:
@@ -753,11 +758,8 @@ def global_norm(grads: List[Tensor], norm_type: float, shard_groups: List[Any]
     DTensor's). No host sync."""
     if not grads:
         return torch.zeros((), dtype=torch.float32), torch.zeros(1, dtype=torch.float32)
-    by_device: Dict[torch.device, List[Tensor]] = defaultdict(list)
-    for g in grads:
-        by_device[g.device].append(g)
     device = grads[0].device
-    parts = [ops.grad_norm(on_dev, norm_type=norm_type) for on_dev in by_device.values()]
+    parts = [ops.grad_norm(on_dev, norm_type=norm_type) for on_dev in by_device(grads).values()]
     norms = torch.stack([n.to(device) for n, _ in parts])
     flag = torch.stack([f.to(device) for _, f in parts]).amax().reshape(1)
     groups = [g for g in shard_groups if g is not None]

@@ -42,6 +42,7 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from frugal_kernels import ops
 from frugal_kernels._layout import inverse_grad_scale, on_device
+from frugal_kernels.optim.base import by_device
 from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
@@ -248,7 +249,7 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
                    beta2=beta2, eps=float(group["eps"]), step=step, backend=backend, **kwargs)
     if steps and found_inf is not None:
         # Queued after the update: a skipped step takes its count back (on the device).
-        for device, device_steps in _by_device(steps).items():
+        for device, device_steps in by_device(steps).items():
             torch._foreach_sub_(device_steps, on_device(found_inf, device).reshape(()))
 
 
@@ -289,7 +290,7 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
     params = _with_grads(group, params)
     if momentum == 0:
         # torch keeps no state without momentum.
-        for device, device_params in _by_device(params).items():
+        for device, device_params in by_device(params).items():
             ops.sgd_([local(p) for p in device_params],
                      [local(p.grad) for p in device_params], [],
                      grad_scale=on_device(grad_scale, device),
@@ -310,13 +311,6 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
                  [local(optimizer.state[p]["momentum_buffer"]) for p in call_params],
                  first_step=first, grad_scale=on_device(grad_scale, device),
                  found_inf=on_device(found_inf, device), **hyper)
-
-
-def _by_device(params: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
-    out: Dict[torch.device, List[Tensor]] = defaultdict(list)
-    for p in params:
-        out[p.device].append(p)
-    return out
 
 
 # Each steps one param group (only ``params`` of it, when given).
