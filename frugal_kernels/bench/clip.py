@@ -54,7 +54,6 @@ def _candidates(model: nn.Module) -> Dict[str, Callable[[], None]]:
     ours = {label: fk.FRUGAL(_groups(model), lr=1e-5, projection=kind, density=density,
                              update_gap=10**9)
             for label, kind, density in ROWS}
-    ours["adamw_swapped"] = swapped
 
     def torch_clip_step():
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
@@ -63,8 +62,9 @@ def _candidates(model: nn.Module) -> Dict[str, Callable[[], None]]:
     candidates = {"torch_adamw_fused": fused.step, "torch_clip+adamw_fused": torch_clip_step}
     for label, opt in ours.items():
         candidates[label] = opt.step
-        if hasattr(opt, "clip_grad_norm_"):
-            candidates[f"{label} clip"] = _clip_step(opt)
+        candidates[f"{label} clip"] = _clip_step(opt)
+    # The swapped AdamW's clip is torch's own (the torch_clip+adamw_fused row).
+    candidates["adamw_swapped"] = swapped.step
     return candidates
 
 

@@ -20,6 +20,7 @@ from frugal_kernels.optim.base import (_check_new_params, _check_sharded_gradien
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.governed import suggested_factor
 from frugal_kernels.optim.memory import release_freed_memory
+from frugal_kernels.optim.protocol import FrugalOptimizer
 
 __all__ = ["BAdam", "SWITCH_MODES", "INNER_OPTIMIZERS"]
 
@@ -56,7 +57,7 @@ _INNER = "inner_"
 BlockSpec = Union[Dict[str, Sequence[str]], Sequence[Sequence[str]]]
 
 
-class BAdam(torch.optim.Optimizer):
+class BAdam(FrugalOptimizer, torch.optim.Optimizer):
     """Train one block of parameters at a time with AdamW (BAdam, NeurIPS 2024).
 
     The parameters are split into blocks; only the active block trains, for
@@ -250,6 +251,8 @@ class BAdam(torch.optim.Optimizer):
         own = sum(v.untyped_storage().nbytes() for st in self.state.values()
                   for v in st.values() if isinstance(v, Tensor))
         return own + (self._inner.state_bytes() if self._inner is not None else 0)
+
+    governable = True
 
     def apply_governor(self, decision: Any) -> None:
         """Take a :class:`frugal_kernels.Governor` reallocation: multiply
