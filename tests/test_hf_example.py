@@ -77,6 +77,7 @@ def test_trainer_with_the_step_in_backward_equals_the_ordinary_trainer(tmp_path)
         assert torch.isfinite(a).all() and not torch.equal(a, b)
 
 
+@pytest.mark.slow  # about 17 s: two Trainers
 def test_the_trainers_clip_runs_in_the_optimizer(tmp_path, monkeypatch):
     """max_grad_norm > 0: each step's clip is the optimizer's clip_grad_norm_ (one read of
     the gradients, the factor applied inside the step); the Trainer's own clip
