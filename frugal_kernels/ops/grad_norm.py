@@ -15,6 +15,7 @@ with no host sync.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import List, Sequence, Tuple
@@ -83,10 +84,16 @@ def _cpu(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
             torch.tensor([0.0 if math.isfinite(norm) else 1.0], dtype=torch.float32))
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_chunk(ext) -> int:
+    """The elements of one partial result of the CUDA kernel (csrc/cuda/grad_norm.cuh)."""
+    return ext.cuda_limits()["grad_norm"]["chunk"]
+
+
 @_IMPLS.backend("cuda")
 def _cuda(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
     ext, max_norm, device = extension(), math.isinf(norm_type), grads[0].device
-    chunk = ext.cuda_limits()["grad_norm"]["chunk"]
+    chunk = _cuda_chunk(ext)
     by_dtype = defaultdict(list)
     for g in grads:
         if g.numel():
