@@ -92,6 +92,38 @@ def test_a_non_finite_gradient_after_a_clip_skips_the_step(name, monkeypatch):
     assert_bits(snapshot(opt, params), before)  # step counts included
 
 
+def test_under_a_grad_scaler_the_clip_joins_its_unscaled_step():
+    """A fused torch AdamW, swapped, driven by a GradScaler: scaler.unscale_, then the
+    clip, then scaler.step equals unscale_, g *= factor, scaler.step, bit for bit; the
+    step whose gradients hold an inf is the scaler's skip on both sides."""
+    def train(ours):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((16, 8), (33,))]
+        opt = swap(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        for k in range(4):
+            grads = [torch.randn(p.shape, generator=gen) * 30 for p in params]
+            if k == 2:
+                grads[1][5] = float("inf")
+            scaler.scale(sum((p * g).sum() for p, g in zip(params, grads))).backward()
+            scaler.unscale_(opt)
+            if ours:
+                opt.clip_grad_norm_(1.0)
+            else:
+                norm = ops.grad_norm([p.grad for p in params])[0]
+                for p in params:
+                    p.grad.mul_(torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return opt, params, scaler.get_scale()
+
+    (opt, params, scale), (ref, ref_params, ref_scale) = train(True), train(False)
+    assert scale == ref_scale == 2.0 ** 9  # one skipped step halved it
+    assert_bits(snapshot(opt, params), snapshot(ref, ref_params))
+    assert opt.state[params[0]]["step"].item() == 3
+
+
 def test_the_clip_applies_to_the_next_step_only_and_undo_removes_it():
     params, params_b = make_params(), make_params()
     opt = swap(make_optimizer("adamw", params))
