@@ -277,6 +277,29 @@ def test_grad_norm_non_finite(bad):
         check_grad_norm(grads, norm_type)
 
 
+def test_grad_norm_replays_in_a_cuda_graph():
+    """The launch tables are kernel parameters and the partials buffer comes from the
+    graph's pool: a captured call reads the gradients' values at each replay."""
+    grads = on_gpu(grad_norm_data([GN_CHUNK + 5, 77], torch.float32, seed=53))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.grad_norm(grads, backend="cuda")  # warm-up outside the capture, as torch asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        norm, found = ops.grad_norm(grads, backend="cuda")
+    grads[1].mul_(1000.0)
+    grads[0][3] = math.inf
+    graph.replay()
+    want_norm, want_found = ops.grad_norm([g.cpu() for g in grads], backend="cpu")
+    assert norm.item() == want_norm.item() == math.inf and found.item() == 1.0
+    grads[0][3] = 0.0
+    graph.replay()
+    want_norm, _ = ops.grad_norm([g.cpu() for g in grads], backend="cpu")
+    assert math.isclose(norm.item(), want_norm.item(), rel_tol=2 ** -23) and found.item() == 0.0
+
+
 def test_auto_picks_cuda_for_every_op_that_has_it():
     for op, backends in ops.CAPABILITIES.items():
         # An op without a GPU kernel (dequantize, lowrank_adamw_step_) falls through to torch.
