@@ -26,7 +26,7 @@ from frugal_kernels.optim import plan
 from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check_int
 from frugal_kernels.optim.frugal import FRUGAL, _check_group as _check_frugal_group
 from frugal_kernels.optim.frugal import _saved_extra as _saved_frugal_extra
-from frugal_kernels.optim.frugal import _saved_subspaces
+from frugal_kernels.optim.frugal import _copy_record, _saved_subspaces
 from frugal_kernels.optim.governed import suggested_factor
 from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
@@ -346,8 +346,7 @@ class BAdam(FusedOptimizer):
     def _bookkeeping(self) -> dict:
         return {"counts": (self._steps_taken, self._block_steps, self._inner_steps,
                            self._inner_last_change),
-                "record": {k: list(v) if isinstance(v, list) else v
-                           for k, v in self._inner_record.items()},
+                "record": _copy_record(self._inner_record),
                 "inner_generator": None if self._inner_generator is None
                 else self._inner_generator.get_state()}
 
@@ -471,8 +470,8 @@ class BAdam(FusedOptimizer):
             extra.update(inner_steps=self._inner_steps,
                          inner_last_change=self._inner_last_change,
                          inner_generator=self._inner_generator.get_state(),
-                         inner_record=[[k, list(v) if isinstance(v, list) else v]
-                                       for k, v in self._inner_record.items()])
+                         inner_record=[[k, v] for k, v in
+                                       _copy_record(self._inner_record).items()])
         sd["param_groups"][0]["badam"] = extra
         return sd
 
@@ -553,12 +552,11 @@ class BAdam(FusedOptimizer):
             frozen = _saved_frozen(extra, self._frozen)
             # Its first group holds the block's matrices, when it has some.
             has_matrices = any(p.dim() >= 2 for p in self._trained(active, frozen))
-            records = _saved_subspaces(saved)
+            records = {int(gi): record for gi, record in _saved_subspaces(saved).items()}
             schedule = {"inner_steps": saved["steps_taken"],
                         "inner_last_change": saved["last_change"],
                         "inner_generator": saved["generator"],
-                        "inner_record": dict(records.get(0, records.get("0", {})))
-                        if has_matrices else {}}
+                        "inner_record": dict(records.get(0, {})) if has_matrices else {}}
         else:
             missing = [k for k in ("inner_steps", "inner_last_change", "inner_generator",
                                    "inner_record") if k not in extra]
@@ -674,8 +672,7 @@ class BAdam(FusedOptimizer):
             last = extra["inner_last_change"]
             self._inner_last_change = None if last is None else int(last)
             self._inner_generator.set_state(extra["inner_generator"])
-            self._inner_record = {k: list(v) if isinstance(v, (list, tuple)) else v
-                                  for k, v in extra["inner_record"].items()}
+            self._inner_record = _copy_record(extra["inner_record"])
         for gi, group in enumerate(self.param_groups):
             if gi != active:
                 for p in group["params"]:
