@@ -854,3 +854,30 @@ def test_a_second_badam_over_the_same_model_trains_every_block():
     moved = {name for name, p in model.named_parameters() if not torch.equal(p, start[name][0])}
     assert moved == {"model.layers.0.weight", "model.layers.1.weight", "model.layers.1.bias",
                      "model.layers.2.weight", "model.layers.2.bias"}
+
+
+@pytest.mark.parametrize("inner", ["adamw", "frugal"])
+def test_clip_grad_norm_then_step_equals_torchs_clip_then_step(inner):
+    """BAdam has the engine's clip_grad_norm_: the norm of the active block's gradients,
+    the clip applied inside the next step, equal to torch's clip of the gradients
+    followed by the step, through block switches (the two norms' sums may differ in
+    the last bit; tests/optim/test_clip.py takes torch's factor from our norm and finds
+    the same bits)."""
+    options = FRUGAL_INNER if inner == "frugal" else {}
+    a, b = Toy(), Toy()
+    opt_a, opt_b = badam(a, "random", **options), badam(b, "random", **options)
+    for t in range(3 * SWITCH_EVERY + 1):
+        a.loss(t).backward()
+        norm = opt_a.clip_grad_norm_(0.1)
+        opt_a.step()
+        opt_a.zero_grad()
+        b.loss(t).backward()
+        expected = torch.nn.utils.clip_grad_norm_(
+            [p for p in b.parameters() if p.grad is not None], 0.1)
+        opt_b.step()
+        opt_b.zero_grad()
+        assert float(norm) == pytest.approx(float(expected), rel=1e-6)
+        assert float(norm) > 0.1  # the clip bites
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=(t, name))
+    assert opt_a.history == opt_b.history and len(opt_a.history) == 4
