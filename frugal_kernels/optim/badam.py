@@ -539,6 +539,9 @@ class BAdam(FusedOptimizer):
     def _saved_inner_schedule(self, extra: dict) -> dict:
         """inner="frugal"'s schedule of a saved "badam" entry (format 4's inner_*
         entries, or the nested FRUGAL's state dict of older formats), checked."""
+        active = int(extra["epoch"][int(extra["cursor"])])
+        num_matrices = sum(p.dim() >= 2 for p in
+                           self._trained(active, _saved_frozen(extra, self._frozen)))
         if extra.get("version", 1) < 4:
             inner = extra.get("inner_state")
             if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
@@ -548,15 +551,12 @@ class BAdam(FusedOptimizer):
             missing = [k for k in ("steps_taken", "last_change", "generator") if k not in saved]
             if missing:
                 raise ValueError(f"the state dict's inner FRUGAL lacks {', '.join(missing)}")
-            active = int(extra["epoch"][int(extra["cursor"])])
-            frozen = _saved_frozen(extra, self._frozen)
-            # Its first group holds the block's matrices, when it has some.
-            has_matrices = any(p.dim() >= 2 for p in self._trained(active, frozen))
             records = {int(gi): record for gi, record in _saved_subspaces(saved).items()}
+            # Its first group holds the block's matrices, when it has some.
             schedule = {"inner_steps": saved["steps_taken"],
                         "inner_last_change": saved["last_change"],
                         "inner_generator": saved["generator"],
-                        "inner_record": dict(records.get(0, {})) if has_matrices else {}}
+                        "inner_record": dict(records.get(0, {})) if num_matrices else {}}
         else:
             missing = [k for k in ("inner_steps", "inner_last_change", "inner_generator",
                                    "inner_record") if k not in extra]
@@ -581,11 +581,13 @@ class BAdam(FusedOptimizer):
         except (TypeError, RuntimeError) as e:
             raise ValueError(f"the state dict's inner generator state cannot be restored: "
                              f"{e}") from None
-        active = schedule["inner_record"].get("active", [])
-        if not isinstance(active, (list, tuple)) or list(active) != sorted(set(active)) or any(
-                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in active):
-            raise ValueError(f"the state dict's inner record: the active blocks {active!r} "
-                             "are not sorted unique ids")
+        chosen = schedule["inner_record"].get("active", [])
+        if not isinstance(chosen, (list, tuple)) or list(chosen) != sorted(set(chosen)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_matrices
+                for i in chosen):
+            raise ValueError(f"the state dict's inner record: the active blocks {chosen!r} "
+                             f"are not sorted unique ids of the block's {num_matrices} "
+                             "matrices")
         return schedule
 
     def _upgraded(self, state_dict: dict, extra: dict) -> dict:
@@ -625,6 +627,11 @@ class BAdam(FusedOptimizer):
         if len(inner_ids) != len(order):
             raise ValueError(f"the state dict's inner FRUGAL has {len(inner_ids)} params, the "
                              f"active block {len(order)} trained ones")
+        stray = [pid for pid, st in state_dict["state"].items() if pid not in order
+                 and any(k.startswith(_INNER) for k in st)]
+        if stray:
+            raise ValueError(f"the state dict holds state for param {stray[0]}, which is not "
+                             "trained in the active block")
         for pid, inner_pid in zip(order, inner_ids):
             entries = {k[len(_INNER):]: v for k, v in state_dict["state"].get(pid, {}).items()
                        if k.startswith(_INNER)}

@@ -881,3 +881,31 @@ def test_clip_grad_norm_then_step_equals_torchs_clip_then_step(inner):
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=(t, name))
     assert opt_a.history == opt_b.history and len(opt_a.history) == 4
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("inner_steps", -1, "inner_steps must be an int >= 0"),
+    ("inner_last_change", 0, "inner_last_change must be an int >= 1"),
+    ("inner_generator", torch.zeros(3, dtype=torch.uint8), "inner generator state cannot"),
+    ("inner_record", [["active", [7]], ["cursor", 0]], "not sorted unique ids of the block's"),
+    ("inner_record", 3, "inner_record is not a list"),
+])
+def test_a_bad_inner_schedule_is_refused_and_changes_nothing(key, value, message):
+    """inner="frugal"'s schedule in the "badam" entry is checked before anything changes."""
+    blocks = dict(FRUGAL_INNER, projection="blocks")
+    model = Toy()
+    opt = badam(model, "ascending", **blocks)
+    run_steps(model, opt, 0, 1)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["badam"][key] = value
+    other = Toy()
+    target = badam(other, "ascending", **blocks)
+    run_steps(other, target, 0, 1)
+    before, flags = _badam_state(target), snapshot(other)
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(sd)
+    _assert_same_state(_badam_state(target), before)
+    assert target.state_dict()["param_groups"][0]["badam"]["inner_steps"] == 1
+    after = snapshot(other)
+    for name, (value, flag) in flags.items():
+        assert torch.equal(after[name][0], value) and after[name][1] == flag, name
