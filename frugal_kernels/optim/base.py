@@ -102,6 +102,11 @@ class FusedOptimizer(Optimizer):
         """The rule of ``p`` (``group["params"][i]``, with a gradient), its state made ready."""
         raise NotImplementedError
 
+    def _group_steps(self, gi: int) -> bool:
+        """Whether the tensors of param group ``gi`` take this step (BAdam: its active
+        block's only); a gradient of a group that does not is neither checked nor read."""
+        return True
+
     def _check_group(self, group: dict, where: str, read_device: bool = False) -> None:
         """Raise unless ``group``'s options are valid (when it is added, and at every
         step: a user or a scheduler may have changed them; ``read_device``: a tensor lr
@@ -301,6 +306,9 @@ class FusedOptimizer(Optimizer):
         strided, layouts = torch.strided, self._layouts
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, f"param group {gi}")
+            if not self._group_steps(gi):
+                key.append(None)
+                continue
             for i, p in enumerate(group["params"]):
                 g = p.grad
                 key.append(g is not None)
@@ -331,7 +339,7 @@ class FusedOptimizer(Optimizer):
             self._before_plan()
             if self._plan is None or key != self._plan_key:
                 self._plan = plan.build(self.param_groups, self.state, self._assign,
-                                        self._group_lr, self._layouts)
+                                        self._group_lr, self._layouts, self._group_steps)
                 self._plan_key = key
         except BaseException:
             self._restore_bookkeeping(saved)
@@ -423,6 +431,8 @@ class FusedOptimizer(Optimizer):
     def _step_tensor(self, p: Tensor) -> None:
         """Update ``p`` with its gradient, complete now, as the ordinary step would."""
         gi, i = self._tensor_index[p]
+        if not self._group_steps(gi):
+            return  # the ordinary step leaves it alone too
         g = p.grad
         if g.layout is not torch.strided or g.dtype is not p.dtype or not p.is_contiguous():
             _refuse_gradient(gi, i, p)
