@@ -75,10 +75,21 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
         ValueError: for an option the swapped step does not honour (see the
             module docstring); checked now and again at every step, since
             param groups may change.
+        RuntimeError: for ``undo=True`` while the optimizer steps in backward
+            (:func:`frugal_kernels.step_in_backward`): ``handle.remove()`` first.
     """
     if undo:
         if _SAVED not in optimizer.__dict__:
             raise ValueError("swap(undo=True): this optimizer was not swapped")
+        # Imported here: the step in backward is built on this module.
+        from frugal_kernels.optim.in_backward import handle_of
+
+        if handle_of(optimizer) is not None:
+            # Its hooks step through the swapped step, and its remove() puts back the
+            # optimizer.step it replaced: the swapped one.
+            raise RuntimeError("swap(undo=True): this optimizer steps in backward "
+                               "(frugal_kernels.step_in_backward); call handle.remove() "
+                               "first, then undo the swap")
         saved = optimizer.__dict__.pop(_SAVED)
         optimizer.__dict__.pop(_BACKEND, None)
         optimizer.__dict__.pop(_CALLS, None)

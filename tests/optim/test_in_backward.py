@@ -457,3 +457,38 @@ def test_clip_grad_norm_after_a_step_in_backward_is_refused():
 def test_exported_at_the_top():
     assert fk.step_in_backward is fk.optim.step_in_backward
     assert "step_in_backward" in fk.__all__
+
+
+def test_undoing_the_swap_while_it_steps_in_backward_is_refused_and_changes_nothing():
+    """swap(opt, undo=True) under a live step in backward used to take the swapped step
+    away from under the hooks (a KeyError from inside backward), and remove() then put the
+    swapped step back while is_swapped() said False. It is refused, touching nothing; after
+    remove() the undo works."""
+    from frugal_kernels.optim.swap import is_swapped
+
+    _, params = _grouped(0)
+    _, ref_params = _grouped(0)
+    opt = fk.swap(torch.optim.AdamW(params, **HYPER))
+    ref = fk.swap(torch.optim.AdamW(ref_params, **HYPER))
+    handle = fk.step_in_backward(opt)
+    seq = grad_sequence(params, 3)
+    _backward(params, seq[0])
+    bookkeeping = opt.step
+    with pytest.raises(RuntimeError, match=r"steps in backward.*handle.remove\(\)"):
+        fk.swap(opt, undo=True)
+    assert is_swapped(opt) and handle_of(opt) is handle and opt.step == bookkeeping
+    _backward(params, seq[1])
+    assert handle.steps == 2
+    handle.remove()
+    assert fk.swap(opt, undo=True) is opt and not is_swapped(opt)
+    assert "step" not in opt.__dict__
+    for grads in seq[:2]:
+        _backward(ref_params, grads)
+        ref.step()
+        ref.zero_grad()
+    _assert_equal(params, ref_params)
+    fk.swap(ref, undo=True)
+    for o, ps in ((opt, params), (ref, ref_params)):
+        _backward(ps, seq[2])
+        o.step()
+    _assert_equal(params, ref_params)
