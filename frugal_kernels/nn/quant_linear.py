@@ -180,7 +180,11 @@ class QuantLinear(nn.Module):
             weights above ``mean(|W|)`` (about 40% of a Gaussian or uniform
             weight); ``"absmax"``, ``s = max(|W|) / qmax``, which clips nothing.
             Then ``q = clamp(round(W / s), -qmax, qmax)``. The scale stays fixed
-            in training. On the demo model absmax trains much better (4-bit:
+            in training. An all-zero weight (or row, with ``scale="row"``), such
+            as a zero-initialised output projection, has no size to take: it
+            gets the size nn.Linear's default init has by the same rule
+            (``0.5 / sqrt(in_features)`` for absmean, ``1 / sqrt(in_features)``
+            for absmax), so that DQT can train it. On the demo model absmax trains much better (4-bit:
             AdamW's loss, against +8% with absmean; docs/demo.md).
         device: where the codes, scales and bias live.
         dtype: of the bias and of the weight gradient (float32, bfloat16 or
@@ -278,6 +282,13 @@ class QuantLinear(nn.Module):
             size = groups.mean(dim=1)
         else:
             size = groups.amax(dim=1)
+        # An all-zero weight (or row), as a zero-initialised output projection has, gives
+        # no size: its floor scale would cap every weight the layer can reach at
+        # qmax * 1e-8, and DQT (which keeps the scales fixed) could never train it. It
+        # takes the size nn.Linear's default init (uniform in +-1/sqrt(in_features)) has
+        # by the same rule, so its codes step as a freshly initialised layer's do.
+        default = (0.5 if self.scale_init == "absmean" else 1.0) / math.sqrt(self.in_features)
+        size = torch.where(size == 0, torch.full_like(size, default), size)
         scale = (size / qmax).clamp_(min=1e-8)
         if not bool(torch.isfinite(scale).all()):
             raise ValueError("QuantLinear.quantize_from: the weight has non-finite values")
