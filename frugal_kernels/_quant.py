@@ -115,6 +115,20 @@ def unpack(packed: Tensor, bits: int, cols: int) -> Tensor:
     return (fields - qmax(bits)).to(torch.int32)
 
 
+def are_codes(packed: Tensor, bits: int, cols: int) -> bool:
+    """Whether uint8 ``packed [R, packed_cols(cols, bits)]`` holds codes of ``bits``:
+    every field at most ``2 * qmax`` (the all-ones field of a width is no code) and the
+    padding bits zero. Unpacked a block of rows at a time, so that the int64 temporaries
+    stay near 8 MiB whatever the layer's size."""
+    rows_per_block = max(1, (1 << 20) // max(cols * bits, 1))
+    for start in range(0, packed.shape[0], rows_per_block):
+        block = packed[start:start + rows_per_block]
+        if block.numel() and bool((unpack(block, bits, cols) > qmax(bits)).any()):
+            return False
+    pad = packed_cols(cols, bits) * 8 - cols * bits
+    return pad == 0 or packed.numel() == 0 or not bool((packed[:, -1] >> (8 - pad)).any())
+
+
 def dequantize(packed: Tensor, scale: Tensor, bits: int, cols: int) -> Tensor:
     """The fp32 weight ``s * q`` of packed codes (``scale`` of shape [1] or [R])."""
     q = unpack(packed, bits, cols).to(torch.float32)

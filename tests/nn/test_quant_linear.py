@@ -465,3 +465,64 @@ def test_quantize_that_fails_on_a_later_layer_changes_nothing():
         fk.quantize_(model)
     assert dict(model.named_modules()) == before
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def _snapshot(module):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in module.state_dict().items()}
+
+
+def _assert_unchanged(module, before):
+    after = module.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(after[key], value), key
+        else:
+            assert after[key] == value, key
+
+
+# 8-bit rows have no padding bits.
+@pytest.mark.parametrize("bits, where", [(bits, "field") for bits in _quant.QUANT_BITS] +
+                         [(bits, "padding") for bits in _quant.QUANT_BITS if bits != 8])
+def test_packed_codes_out_of_range_are_refused_and_change_nothing(bits, where):
+    """A byte whose field lies above 2 * qmax (the code qmax + 1, which no width stores) or
+    whose padding bits are set is no code of the layer's width: it used to load silently
+    (and dequantize to a weight out of the codes' range)."""
+    cols = 5 if where == "padding" else 37  # 5 columns leave padding at 2, 3 and 4 bits
+    layer = QuantLinear(cols, 11, bits=bits, seed=3)
+    sd = QuantLinear(cols, 11, bits=bits, seed=4).state_dict()
+    codes = sd["codes"].clone()
+    if where == "field":
+        # Column 1's field of row 2 set to all ones: 2**bits - 1 > 2 * qmax.
+        for b in range(bits, 2 * bits):
+            codes[2, b // 8] |= 1 << (b % 8)
+    else:
+        codes[2, -1] |= 0x80
+    sd["codes"] = codes
+    before = _snapshot(layer)
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=f"codes: .*not {bits}-bit codes"):
+            layer.load_state_dict(sd, strict=strict)
+        _assert_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_checkpoint_without_its_extra_state_is_refused_and_changes_nothing(strict):
+    """A tensors-only state dict (the _extra_state dropped) does not say the codes' width:
+    one of another width whose packed shape happens to match (2 columns at 2, 3 or 4 bits)
+    used to load with strict=False, and even strict=True copied the codes before it raised
+    on the missing key."""
+    layer = QuantLinear(2, 11, bits=4, seed=3)
+    before = _snapshot(layer)
+    for bits in (2, 3, 4):
+        sd = {k: v for k, v in QuantLinear(2, 11, bits=bits, seed=4).state_dict().items()
+              if isinstance(v, torch.Tensor)}
+        with pytest.raises(RuntimeError, match="_extra_state.*bits"):
+            layer.load_state_dict(sd, strict=strict)
+        _assert_unchanged(layer, before)
+    sd = QuantLinear(2, 11, bits=4, seed=4).state_dict()
+    sd["_extra_state"] = {"bits": 4}
+    with pytest.raises(RuntimeError, match="extra state of an unknown format"):
+        layer.load_state_dict(sd, strict=strict)
+    _assert_unchanged(layer, before)
