@@ -374,7 +374,8 @@ class QuantLinear(nn.Module):
         # Nothing of this layer changes before its codes and scales are known to fit:
         # torch would copy the bias and report the codes' shape, or raise from
         # set_extra_state half way.
-        problem, loads, missing = self._check_load(state_dict, prefix)
+        state_dict = self._as_read(state_dict, prefix)
+        problem, loads, missing = self._check_read(state_dict, prefix)
         if problem is not None:
             error_msgs.append(problem)
             return
@@ -395,9 +396,18 @@ class QuantLinear(nn.Module):
     def _check_load(self, state_dict, prefix: str
                     ) -> Tuple[Optional[str], Dict[str, Tensor], List[str]]:
         """What would stop this layer loading from ``state_dict`` at ``prefix`` (or None),
-        the codes and scales it would copy, and their keys that are missing. Read by the
-        layer's own load and, before anything of a model loads, by the check
-        :func:`frugal_kernels.quantize_` puts on the model."""
+        the codes and scales it would copy, and their keys that are missing: the check
+        :func:`frugal_kernels.quantize_` puts on a model runs it before anything of the
+        model loads."""
+        return self._check_read(self._as_read(state_dict, prefix), prefix)
+
+    def _as_read(self, state_dict, prefix: str):
+        """``state_dict`` as this layer reads it (a ShardedQuantLinear: its rows)."""
+        return state_dict
+
+    def _check_read(self, state_dict, prefix: str
+                    ) -> Tuple[Optional[str], Dict[str, Tensor], List[str]]:
+        """:meth:`_check_load` of a state dict already as the layer reads it."""
         if prefix + "weight" in state_dict:
             return (f"{prefix}weight: the checkpoint holds a float weight (an nn.Linear's?); "
                     "build this layer with QuantLinear.from_linear"), {}, []

@@ -526,3 +526,49 @@ def test_a_checkpoint_without_its_extra_state_is_refused_and_changes_nothing(str
     with pytest.raises(RuntimeError, match="extra state of an unknown format"):
         layer.load_state_dict(sd, strict=strict)
     _assert_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("checkpoint", ["float", "other width", "bad codes"])
+def test_a_checkpoint_a_quantized_model_refuses_changes_nothing_of_the_model(checkpoint, strict):
+    """A float checkpoint (or one of another width, or with bad codes) loaded into a model
+    converted by quantize_ was refused by the QuantLinear layers, but torch had copied the
+    embedding (before them) and the head (after them) by then. quantize_ puts a check on
+    the model that reads every QuantLinear's entries before anything loads."""
+    model = _tiny_lm()
+    fk.quantize_(model, bits=4)
+    if checkpoint == "float":
+        sd = _tiny_lm().state_dict()
+        match = "layers.0.q.weight: the checkpoint holds a float weight"
+    else:
+        other = _tiny_lm()
+        fk.quantize_(other, bits=3 if checkpoint == "other width" else 4, seed=9)
+        sd = other.state_dict()
+        if checkpoint == "bad codes":
+            sd["layers.1.down.codes"] = torch.full_like(sd["layers.1.down.codes"], 0xFF)
+            match = "layers.1.down.codes: not 4-bit codes"
+        else:
+            match = "layers.0.q.: the checkpoint's layer has bits=3"
+    for name in ("embed.weight", "lm_head.weight"):
+        sd[name] = sd[name] + 1.0  # would show if copied
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=match):
+        model.load_state_dict(sd, strict=strict)
+    _assert_unchanged(model, before)
+    # The check travels with the model: a saved and loaded whole model, and a deep copy.
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for copied in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        before = _snapshot(copied)
+        with pytest.raises(RuntimeError, match=match):
+            copied.load_state_dict(sd, strict=strict)
+        _assert_unchanged(copied, before)
+    # And is put on once, however often quantize_ runs on the model.
+    fk.quantize_(model, bits=4)
+    assert len(model._load_state_dict_pre_hooks) == 1
+    good = copy.deepcopy(model)
+    with torch.no_grad():
+        good.embed.weight.add_(1.0)
+    model.load_state_dict(good.state_dict())
+    assert torch.equal(model.embed.weight, good.embed.weight)
