@@ -482,6 +482,30 @@ def _assert_unchanged(module, before):
             assert after[key] == value, key
 
 
+@pytest.mark.parametrize("bits", _quant.QUANT_BITS)
+def test_are_codes_equals_unpacking_and_checking_every_field(bits):
+    """_quant.are_codes reads the packed bytes without unpacking them; held to unpack()
+    on random bytes (valid or not) and on valid codes with one field set to all ones."""
+    gen = torch.Generator().manual_seed(bits)
+    qmax = _quant.qmax(bits)
+    for cols in (1, 2, 3, 5, 8, 13, 37):
+        width = _quant.packed_cols(cols, bits)
+        pad = width * 8 - cols * bits
+        for _ in range(50):
+            packed = torch.randint(0, 256, (3, width), generator=gen).to(torch.uint8)
+            if _ % 2:  # valid codes with one field all ones
+                packed = _quant.pack(torch.randint(-qmax, qmax + 1, (3, cols), generator=gen),
+                                     bits)
+                c = int(torch.randint(0, cols, (), generator=gen))
+                for b in range(c * bits, (c + 1) * bits):
+                    packed[1, b // 8] |= 1 << (b % 8)
+            expected = bool((_quant.unpack(packed, bits, cols) <= qmax).all()) and \
+                (pad == 0 or not bool((packed[:, -1] >> (8 - pad)).any()))
+            assert _quant.are_codes(packed, bits, cols) == expected, (cols, packed)
+        valid = _quant.pack(torch.randint(-qmax, qmax + 1, (4, cols), generator=gen), bits)
+        assert _quant.are_codes(valid, bits, cols)
+
+
 # 8-bit rows have no padding bits.
 @pytest.mark.parametrize("bits, where", [(bits, "field") for bits in _quant.QUANT_BITS] +
                          [(bits, "padding") for bits in _quant.QUANT_BITS if bits != 8])
