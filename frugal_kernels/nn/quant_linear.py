@@ -184,8 +184,9 @@ class QuantLinear(nn.Module):
             as a zero-initialised output projection, has no size to take: it
             gets the size nn.Linear's default init has by the same rule
             (``0.5 / sqrt(in_features)`` for absmean, ``1 / sqrt(in_features)``
-            for absmax), so that DQT can train it. On the demo model absmax trains much better (4-bit:
-            AdamW's loss, against +8% with absmean; docs/demo.md).
+            for absmax), so that DQT can train it. On the demo model absmax
+            trains much better (4-bit: AdamW's loss, against +8% with absmean;
+            docs/demo.md).
         device: where the codes, scales and bias live.
         dtype: of the bias and of the weight gradient (float32, bfloat16 or
             float16). A bf16 gradient halves its memory (2 bytes per weight)
