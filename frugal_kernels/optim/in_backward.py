@@ -38,7 +38,8 @@ says so: a GradScaler (its skip of a step with an inf) raises at
 ``scaler.step``; a global-norm clip is the two-pass :meth:`StepInBackward.norm_pass`
 or, in one pass, ``clip="tensor"`` (each tensor's gradient by its own norm), and
 ``torch.nn.utils.clip_grad_norm_`` over parameters that step in backward raises
-(their gradients are gone: it would clip nothing and return 0). Under DistributedDataParallel the
+(their gradients are gone: it would clip nothing and return 0), as the optimizer's own
+one-read ``clip_grad_norm_`` does. Under DistributedDataParallel the
 step waits for each bucket's all-reduce (``ddp=``); FSDP2's DTensor parameters
 are refused (docs/optimizers.md).
 """
