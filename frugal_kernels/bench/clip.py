@@ -54,6 +54,7 @@ def _candidates(model: nn.Module) -> Dict[str, Callable[[], None]]:
     ours = {label: fk.FRUGAL(_groups(model), lr=1e-5, projection=kind, density=density,
                              update_gap=10**9)
             for label, kind, density in ROWS}
+    ours["adamw_swapped"] = swapped
 
     def torch_clip_step():
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
@@ -63,14 +64,14 @@ def _candidates(model: nn.Module) -> Dict[str, Callable[[], None]]:
     for label, opt in ours.items():
         candidates[label] = opt.step
         candidates[f"{label} clip"] = _clip_step(opt)
-    # The swapped AdamW's clip is torch's own (the torch_clip+adamw_fused row).
-    candidates["adamw_swapped"] = swapped.step
     return candidates
 
 
 def _clip_step(opt) -> Callable[[], None]:
+    surface = fk.protocol_of(opt)  # a swapped optimizer's clip is its own fused one
+
     def run():
-        opt.clip_grad_norm_(MAX_NORM)
+        surface.clip_grad_norm_(MAX_NORM)
         opt.step()
     return run
 

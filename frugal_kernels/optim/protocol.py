@@ -88,8 +88,8 @@ class FrugalOptimizer:
 
 
 class _TorchOptimizer(FrugalOptimizer):
-    """The surface over a plain ``torch.optim`` optimizer: the defaults, and a history that
-    stays empty."""
+    """The surface over a plain ``torch.optim`` optimizer: the defaults, its own clip where
+    :func:`~frugal_kernels.swap` gave it one, and a history that stays empty."""
 
     def __init__(self, optimizer: Optimizer):
         self.optimizer = optimizer
@@ -103,6 +103,15 @@ class _TorchOptimizer(FrugalOptimizer):
     def state(self):
         return self.optimizer.state
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """The swapped optimizer's fused clip (applied inside its next step), else torch's."""
+        from frugal_kernels.optim.swap import is_swapped  # swap stands on base, which on this
+
+        if is_swapped(self.optimizer):
+            return self.optimizer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
     @property
     def param_groups(self) -> List[dict]:
         return self.optimizer.param_groups
@@ -110,8 +119,8 @@ class _TorchOptimizer(FrugalOptimizer):
 
 def protocol_of(optimizer: Optimizer) -> FrugalOptimizer:
     """``optimizer`` itself when it is one of the package's (a :class:`FrugalOptimizer`),
-    else its surface with the defaults (the state it holds, torch's clip, no schedule, an
-    empty history)."""
+    else its surface with the defaults (the state it holds, torch's clip or a swapped
+    optimizer's own, no schedule, an empty history)."""
     if isinstance(optimizer, FrugalOptimizer):
         return optimizer
     return _TorchOptimizer(optimizer)

@@ -57,6 +57,24 @@ def test_a_plain_torch_optimizer_gets_the_defaults():
         torch.tensor(1.0), atol=1e-5, rtol=0)
 
 
+def test_a_swapped_optimizers_clip_is_its_own_fused_one():
+    params = [torch.nn.Parameter(torch.randn(5, 3))]
+    params[0].grad = torch.full_like(params[0], 3.0)
+    grad = params[0].grad.clone()
+    twin = [torch.nn.Parameter(params[0].detach().clone())]
+    twin[0].grad = grad.clone()
+    opt = fk.swap(torch.optim.AdamW(params, lr=1e-2))
+    reference = torch.optim.AdamW(twin, lr=1e-2)
+    total = fk.protocol_of(opt).clip_grad_norm_(1.0)
+    torch.testing.assert_close(total, torch.linalg.vector_norm(grad))
+    # The fused clip leaves the gradient as it was and applies the factor inside the step.
+    assert torch.equal(params[0].grad, grad)
+    opt.step()
+    torch.nn.utils.clip_grad_norm_(twin, 1.0)
+    reference.step()
+    torch.testing.assert_close(params[0], twin[0])
+
+
 def test_a_fused_optimizer_that_ignores_losses_and_the_governor_says_so():
     opt = fk.FRUGAL([torch.nn.Parameter(torch.randn(6, 4))], update_gap=3)
     before = opt.training_info()
