@@ -90,10 +90,21 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
         ValueError: for an option the swapped step does not honour (see the
             module docstring); checked now and again at every step, since
             param groups may change.
+        RuntimeError: for ``undo=True`` while the optimizer steps in backward
+            (:func:`frugal_kernels.step_in_backward`): ``handle.remove()`` first.
     """
     if undo:
         if _SAVED not in optimizer.__dict__:
             raise ValueError("swap(undo=True): this optimizer was not swapped")
+        # Imported here: the step in backward is built on this module.
+        from frugal_kernels.optim.in_backward import handle_of
+
+        if handle_of(optimizer) is not None:
+            # Its hooks step through the swapped step, and its remove() puts back the
+            # optimizer.step it replaced: the swapped one.
+            raise RuntimeError("swap(undo=True): this optimizer steps in backward "
+                               "(frugal_kernels.step_in_backward); call handle.remove() "
+                               "first, then undo the swap")
         saved = optimizer.__dict__.pop(_SAVED)
         optimizer.__dict__.pop(_BACKEND, None)
         optimizer.__dict__.pop(_CALLS, None)
@@ -270,9 +281,11 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
             f"{type(optimizer).__name__} keeps its step counts on the host, which a CUDA graph "
             "capture would freeze at their value now; build it with fused=True (its counts "
             "live on the GPU) to capture its swapped step, as torch asks of its own AdamW")
+    whole = params is None
+    split = _adam_calls(optimizer, group, with_grads, whole)
     if steps:
         torch._foreach_add_(steps, 1.0)
-    for params in _adam_calls(optimizer, group, with_grads, whole=params is None):
+    for params in split:
         # DTensor parameters (FSDP2) keep torch's state, DTensors like them, which
         # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
         # local blocks of all of them.
@@ -300,6 +313,11 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
         # Queued after the update: a skipped step takes its count back (on the device).
         for device, device_steps in by_device(steps).items():
             torch._foreach_sub_(device_steps, on_device(found_inf, device).reshape(()))
+    if whole:
+        # Kept once the step is done (one that raised halfway keeps nothing, and the next
+        # splits afresh). The step tensors are held, so that none of them is freed and
+        # another made at its address (the check is by identity).
+        optimizer.__dict__.setdefault(_CALLS, {})[id(group)] = (steps, _versions(steps), split)
 
 
 def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
@@ -307,24 +325,31 @@ def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
     """``with_grads`` split into op calls, one per device and step count (params added
     later count their own steps). Finding the counts reads every ``state["step"]`` (a
     host sync each for a fused group's device counts), so a whole group's split is kept
-    and reused while the group steps the same tensors with the same step tensors:
-    every step adds the same to all of them, so equal counts stay equal."""
+    and reused while the group steps the same tensors with the same step tensors, none
+    of them written since (their version counters as the last step left them): every
+    step adds the same to all of them, so equal counts stay equal. A count reset in
+    place (``state["step"].zero_()``, as some loops do on restarts) moves its version,
+    and the group is split again by the counts it holds now."""
     steps = [optimizer.state[p]["step"] for p in with_grads]
-    cache = optimizer.__dict__.setdefault(_CALLS, {})
     if whole:
-        kept = cache.get(id(group))
+        kept = optimizer.__dict__.get(_CALLS, {}).get(id(group))
         if kept is not None and len(kept[0]) == len(steps) and \
-                all(a is b for a, b in zip(kept[0], steps)):
-            return kept[1]
+                all(a is b for a, b in zip(kept[0], steps)) and \
+                kept[1] is not None and kept[1] == _versions(steps):
+            return kept[2]
     calls: Dict[Tuple[torch.device, float], List[Tensor]] = defaultdict(list)
     for p, step in zip(with_grads, steps):
         calls[(p.device, float(step))].append(p)
-    split = list(calls.values())
-    if whole:
-        # The step tensors are held, so that none of them is freed and another made at
-        # its address (the check is by identity).
-        cache[id(group)] = (steps, split)
-    return split
+    return list(calls.values())
+
+
+def _versions(steps: List[Tensor]) -> Optional[Tuple[int, ...]]:
+    """The version counters of ``steps`` (bumped by every in-place write), or None where
+    one has none (a count made under ``torch.inference_mode``: never reused then)."""
+    try:
+        return tuple(step._version for step in steps)
+    except RuntimeError:
+        return None
 
 
 # --------------------------------------------------------------------- SGD
