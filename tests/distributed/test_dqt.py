@@ -1,5 +1,5 @@
-"""DQT under DistributedDataParallel and under FSDP2 with ``shard_quantized_``: two CPU
-ranks (gloo) against one process on the same global batch, and
+"""DQT under DistributedDataParallel and under FSDP2 (``fully_shard`` alone, and the
+deprecated ``shard_quantized_``): two CPU ranks (gloo) against one process on the same global batch, and
 torch.distributed.checkpoint across 2 -> 2, 2 -> 1 and 1 -> 2 ranks.
 
 The stochastic rounding is keyed by (layer seed, step, element index), so ranks that
@@ -236,7 +236,9 @@ def _rank(rank, world, port, out):
         model = fully_sharded(Net(name), mesh)
         opt = optimizer(name, model)
         train(model, opt, rank=rank, world=world)
-        results[f"fully_shard-{name}"] = result(model, opt)
+        results[f"fully_shard-{name}"] = result(model, opt, dequantized=[
+            (m.dequantize(), m.dequantize(torch.bfloat16), m.weight.full_tensor())
+            for m in model.layers])
         results[f"fully_shard-{name}"].update(fully_shard_checkpoints(name, mesh, rank,
                                                                       world, out))
 
@@ -448,6 +450,21 @@ def test_dequantize_gathers_the_whole_weight(runs, name):
     model, _ = by_halves(name)
     for got, layer in zip(ranks[1][name]["dequantized"], model.layers):
         assert torch.equal(got, layer.dequantize())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_dequantize_under_fully_shard_gathers_the_whole_weight(runs, name):
+    """As nn.Linear's weight.full_tensor() would: every rank gets the whole weight (the
+    5-row layer's 3 and 2 rows included), in the dtype asked for, not its own rows; and
+    the weight's own full_tensor() is that weight too."""
+    _, ranks = runs
+    model, _ = by_halves(name)
+    for r in ranks:
+        for (fp32, bf16, full), layer in zip(r[f"fully_shard-{name}"]["dequantized"],
+                                             model.layers):
+            assert torch.equal(fp32, layer.dequantize()), name
+            assert torch.equal(bf16, layer.dequantize(torch.bfloat16)), name
+            assert type(full) is torch.Tensor and torch.equal(full, layer.dequantize()), name
 
 
 @pytest.mark.parametrize("name", CONFIGS)
