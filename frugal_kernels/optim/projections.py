@@ -29,11 +29,12 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import ops
-from frugal_kernels._layout import (LEFT, lowrank_dim, lowrank_side, lowrank_state_shape,
+from frugal_kernels._layout import (LEFT, MomentBlocks, lowrank_dim, lowrank_side, lowrank_state_shape,
                                     matrix_shape, projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
 from frugal_kernels.optim import subspace
-from frugal_kernels.optim.plan import ADAMW, STATE_FREE, Assignment, ensure_moments
+from frugal_kernels.optim.plan import (STATE_FREE, Assignment, adamw_assignment, ensure_moments,
+                                       stores_int8)
 from frugal_kernels.optim.sharding import ShardLayout, is_sharded, local
 
 __all__ = ["DENSE", "FAMILIES", "Blocks", "CoordinateSubset", "Dense", "LowRank", "Projection",
@@ -67,6 +68,11 @@ class Subspace:
     arriving: bool = False
 
 
+# The state entries whose rows are a tensor's rows: a rank holds its rows' part of each
+# (the block scales of 8-bit moments too: their blocks never straddle rows).
+_SHARDED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+
+
 class Projection:
     """A family of state-full subspaces (blocks, coordinate subsets, low-rank)."""
 
@@ -98,18 +104,20 @@ class Projection:
         rank's ``st``: DTensors for the entries that :func:`sharding.sharded_entry`
         names, plain tensors (the same on every rank) for the others. A collective."""
         return {key: layout.to_dtensor(value, self._global_shape(key, value, st, p))
-                if key in ("exp_avg", "exp_avg_sq") else value for key, value in st.items()}
+                if key in _SHARDED else value for key, value in st.items()}
 
     def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
                     device: torch.device) -> dict:
         """This rank's state from a global-form ``saved`` (checked already): copies,
         never the saved tensors. A collective."""
-        return {key: layout.block_of(value, device) if key in ("exp_avg", "exp_avg_sq")
+        return {key: layout.block_of(value, device) if key in _SHARDED
                 else value.to(device if key != "step" else value.device, copy=True)
                 for key, value in saved.items()}
 
     def _global_shape(self, key: str, value: Tensor, st: dict, p: Tensor) -> Tuple[int, ...]:
         """The global shape of a sharded entry whose rows are this rank's chunk."""
+        if key.endswith("_scale"):
+            return MomentBlocks(p.shape).scale_shape
         return tuple(p.shape)
 
 
@@ -117,8 +125,9 @@ class Dense(Projection):
     """Every coordinate state-full: plain AdamW with moments of the tensor's shape."""
 
     def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
-        ensure_moments(sub.state[p], local(p).shape, p.device)
-        return ADAMW
+        st = sub.state[p]
+        ensure_moments(st, local(p).shape, p.device, int8=stores_int8(sub.group, p))
+        return adamw_assignment(st)
 
     def fits(self, saved: dict, p: Tensor) -> bool:
         return tuple(saved["exp_avg"].shape) == tuple(p.shape)
