@@ -68,8 +68,7 @@ class Subspace:
     arriving: bool = False
 
 
-# The state entries whose rows are a tensor's rows: a rank holds its rows' part of each
-# (the block scales of 8-bit moments too: their blocks never straddle rows).
+# The moments' entries, whose rows are the tensor's: a rank holds its rows' part of each.
 _SHARDED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
