@@ -4,7 +4,8 @@
 // one row for a 1-D tensor) cut into blocks of kMomentBlock elements that never
 // straddle two rows; each block has one fp32 scale per moment: the first moment
 // as signed linear codes (s = max|m| / 127), the second as unsigned linear codes
-// of its fourth root (s = max v^(1/4) / 255), rounded half to even.
+// of its fourth root (s = max v^(1/4) / 255), rounded half to even. A block's max
+// is NaN once a NaN is in it (as torch's amax), and its codes are then 0.
 #pragma once
 
 #include <cmath>
@@ -27,9 +28,6 @@ struct Moments8Batch {
   const int64_t* rows;
   const int64_t* cols;
 };
-
-// The running max of a block, NaN once a NaN was seen (as torch's amax).
-FK_HOST_DEVICE float sticky_max(float acc, float x) { return (x > acc || x != x) ? x : acc; }
 
 // x in units of `scale`, rounded half to even into [low, top]; 0 where the scale
 // is not > 0 (a block of zeros, or of a NaN) or the quotient is NaN.
