@@ -76,15 +76,15 @@ def adamw_(
 # A moment tensor is stored as 8-bit codes of its shape and one fp32 scale per block of
 # MOMENT_BLOCK elements along its rows (frugal_kernels._layout.MomentBlocks). Per block:
 #
-#   first moment m (signed, linear):  s = max|m| / 127,       q = rint(m / s)   in -127..127
+#   first moment m (signed, linear):  s = max|m| / 127,    q = rint(m * (1 / s))  in -127..127
 #                                      m = q * s
 #   second moment v (unsigned, on the fourth root): w = sqrt(sqrt(v)),
-#                                      s = max w / 255,         q = rint(w / s)   in 0..255
+#                                      s = max w / 255,      q = rint(w * (1 / s))  in 0..255
 #                                      t = q * s; v = (t * t) * (t * t)
 #
-# all in fp32, rint rounding half to even; a block whose scale is not > 0 (all zeros, or
-# a NaN in it: the max propagates NaN) gets the codes 0, and a NaN quotient (inf / inf)
-# the code 0. Why the fourth root: a block of 256 coordinates holds second moments
+# all in fp32 (1 / s rounded once per block), rint rounding half to even; a block whose
+# scale is not > 0 (all zeros, or a NaN in it: the max propagates NaN) gets the codes 0,
+# and a NaN product (inf * 0) the code 0. Why the fourth root: a block of 256 coordinates holds second moments
 # spanning decades (an outlier column beside quiet ones), and a linear code on sqrt(v)
 # rounds every coordinate under max / 510 to 0, whose next update is m / (sqrt(new v) + eps)
 # with v rebuilt from one gradient: seen 5x the fp32 update with gradients spread over 2
@@ -125,7 +125,8 @@ def quantize_moment(x: Tensor, second: bool) -> Tuple[Tensor, Tensor]:
                           else (blocks, 127.0, -127.0, torch.int8))
     scales = w.abs().amax(-1) / top
     s = scales.unsqueeze(-1)
-    q = torch.where(s > 0, torch.round(w / s), 0.0).clamp(low, top).nan_to_num(0.0)
+    inverse = torch.ones_like(s) / s
+    q = torch.where(s > 0, torch.round(w * inverse), 0.0).clamp(low, top).nan_to_num(0.0)
     return _unblocked(q, x.shape).to(dtype), scales
 
 

@@ -96,10 +96,10 @@ adamw_int8_ = SPEC.register(
 The update of :func:`adamw_` on moments kept as codes with one fp32 scale per block of
 256 elements along each tensor's rows (a block never straddles two rows, so a tensor's
 rows sharded over ranks hold the blocks of the whole): the first moment as int8 codes
-``-127..127`` of ``m / s`` with ``s = max|m| / 127`` over the block, the second as uint8
-codes ``0..255`` of ``v^(1/4) / s`` with ``s = max v^(1/4) / 255`` (the fourth root keeps
-small second moments beside large ones in a block; docs/optimizers.md), rounded half to
-even. Each block is dequantized, updated in fp32 (the parameter moves with the updated
+``-127..127`` of ``m * (1 / s)`` with ``s = max|m| / 127`` over the block, the second as
+uint8 codes ``0..255`` of ``v^(1/4) * (1 / s)`` with ``s = max v^(1/4) / 255`` (the
+fourth root keeps small second moments beside large ones in a block; docs/ops.md),
+rounded half to even. Each block is dequantized, updated in fp32 (the parameter moves with the updated
 fp32 moments) and quantized again in one pass; every backend writes the same codes as
 :func:`frugal_kernels.reference.adamw_int8_`.
 

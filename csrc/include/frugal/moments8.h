@@ -4,7 +4,7 @@
 // one row for a 1-D tensor) cut into blocks of kMomentBlock elements that never
 // straddle two rows; each block has one fp32 scale per moment: the first moment
 // as signed linear codes (s = max|m| / 127), the second as unsigned linear codes
-// of its fourth root (s = max v^(1/4) / 255), rounded half to even. A block's max
+// of its fourth root (s = max v^(1/4) / 255), x * (1 / s) rounded half to even. A block's max
 // is NaN once a NaN is in it (as torch's amax), and its codes are then 0.
 #pragma once
 
@@ -29,11 +29,12 @@ struct Moments8Batch {
   const int64_t* cols;
 };
 
-// x in units of `scale`, rounded half to even into [low, top]; 0 where the scale
-// is not > 0 (a block of zeros, or of a NaN) or the quotient is NaN.
-FK_HOST_DEVICE float moment_code(float x, float scale, float low, float top) {
+// x times `inverse` (1 / the block's scale, rounded to fp32 once), rounded half to
+// even into [low, top]; 0 where the scale is not > 0 (a block of zeros, or of a
+// NaN) or the product is NaN.
+FK_HOST_DEVICE float moment_code(float x, float scale, float inverse, float low, float top) {
   if (!(scale > 0.f)) return 0.f;
-  float q = rintf(x / scale);
+  float q = rintf(x * inverse);
   q = q < low ? low : q;
   q = q > top ? top : q;
   return q == q ? q : 0.f;
