@@ -191,7 +191,7 @@ if [ "$DEV" = cuda ]; then
   read -r -a BENCH <<<"${GPU_CHECK_BENCH_ARGS:-}"
 else
   # The dry run: small, every section that runs on a GPU, in this process.
-  read -r -a BENCH <<<"${GPU_CHECK_BENCH_ARGS:---quick --ops sign_sgd_ adamw_ --rounds 1 --preset tiny --in-process --no-overhead}"
+  read -r -a BENCH <<<"${GPU_CHECK_BENCH_ARGS:---quick --ops sign_sgd_ adamw_ grad_norm --rounds 1 --preset tiny --in-process --no-overhead}"
 fi
 RESERVE=$FINAL_RESERVE
 bench_started=$SECONDS

@@ -5,6 +5,14 @@ token sequence; the Trainer saves a checkpoint halfway and a second run resumes 
 it. Run it with ``python examples/hf_trainer.py [--step-in-backward] [output_dir]``
 after ``pip install ".[hf]"``.
 
+The Trainer's clip by ``max_grad_norm`` goes through the optimizer: ``OptimizerClipTrainer``
+(a ``Trainer`` with its clip hook overridden; mix it into a Trainer subclass of your own
+the same way) calls ``optimizer.clip_grad_norm_(max_grad_norm)`` where the Trainer would
+call ``torch.nn.utils.clip_grad_norm_`` through accelerate: one read of the gradients
+gives the norm the Trainer logs, and the next step applies the clip factor as it reads
+them and skips a step whose gradients hold a NaN or inf, where torch's clip reads them,
+then reads and writes them again.
+
 With ``--step-in-backward`` each tensor is stepped inside backward
 (``frugal_kernels.step_in_backward``) as its gradient completes, and the gradient freed:
 the Trainer's loop is unchanged (its ``optimizer.step()`` is then bookkeeping for the LR
@@ -15,6 +23,7 @@ tensor's gradient instead (``max_grad_norm=1.0, clip="tensor"``).
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 
@@ -48,10 +57,47 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+@functools.lru_cache(maxsize=None)
+def optimizer_clip_trainer():
+    """``transformers.Trainer`` with its clip by ``args.max_grad_norm`` routed through the
+    optimizer's ``clip_grad_norm_`` (FRUGAL, AdaFRUGAL, DQT, a swapped torch optimizer).
+
+    The Trainer clips in ``_clip_grad_norm(model)``, which returns the norm it logs; it
+    calls ``accelerator.clip_grad_norm_``, i.e. ``torch.nn.utils.clip_grad_norm_``, and
+    with ``max_grad_norm=0`` it still takes the norm that way for its log, so switching
+    its clip off and clipping in a callback would read the gradients twice. Overriding
+    the hook is the one place where the optimizer's clip replaces the Trainer's read. The
+    hook is private to transformers: a version without it is refused here rather than
+    left clipping nothing. DeepSpeed clips inside its own engine: the Trainer's clip
+    stands there, as it does for an optimizer without ``clip_grad_norm_``."""
+    from accelerate.utils import DistributedType
+    from transformers import Trainer
+
+    if not callable(getattr(Trainer, "_clip_grad_norm", None)):
+        raise RuntimeError("this transformers version's Trainer has no _clip_grad_norm hook "
+                           "to route its clip through the optimizer: use Trainer with "
+                           "max_grad_norm as usual (torch's clip)")
+
+    class OptimizerClipTrainer(Trainer):
+        def _clip_grad_norm(self, model):
+            # accelerate wraps the optimizer; the wrapper's step calls the inner one's.
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+            if not callable(getattr(optimizer, "clip_grad_norm_", None)) or \
+                    self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+                return super()._clip_grad_norm(model)
+            # fp16 under a GradScaler: the norm of the unscaled gradients, as torch's clip.
+            self.accelerator.unscale_gradients()
+            return optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    return OptimizerClipTrainer
+
+
 def make_trainer(output_dir: str, max_steps: int = 20, save_steps: int = 10, seed: int = 0,
                  step_in_backward: bool = False, max_grad_norm: float = 1.0):
-    """The Trainer; ``step_in_backward``: step each tensor inside backward, clipped by its
-    own norm to ``max_grad_norm`` (the Trainer's clip after backward is switched off)."""
+    """The Trainer; its clip by ``max_grad_norm`` runs in the optimizer
+    (:func:`optimizer_clip_trainer`). ``step_in_backward``: step each tensor inside
+    backward, clipped by its own norm to ``max_grad_norm`` (the Trainer's clip after
+    backward is switched off)."""
     from transformers import Trainer, TrainingArguments, get_cosine_schedule_with_warmup
 
     model = tiny_llama(seed)
@@ -71,8 +117,9 @@ def make_trainer(output_dir: str, max_steps: int = 20, save_steps: int = 10, see
                              logging_steps=5, report_to=[], use_cpu=True, seed=seed,
                              dataloader_num_workers=0,
                              disable_tqdm=True)
-    return Trainer(model=model, args=args, train_dataset=Tokens(),
-                   optimizers=(optimizer, scheduler))
+    # No clip, or the step in backward's own: the plain Trainer.
+    cls = optimizer_clip_trainer() if trainer_clip > 0 else Trainer
+    return cls(model=model, args=args, train_dataset=Tokens(), optimizers=(optimizer, scheduler))
 
 
 def main(output_dir: str, step_in_backward: bool = False) -> None:

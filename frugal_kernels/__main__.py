@@ -92,7 +92,7 @@ def _load_data(config):
     from frugal_kernels.lab.train import check_data
 
     try:
-        data = load_corpus(config.data, max_bytes=config.max_bytes)
+        data = load_corpus(config.data, max_bytes=config.max_bytes, noise=config.data_noise)
         check_data(data, config)
     except (ValueError, OSError, ImportError) as exc:
         raise CommandLineError(f"--data: {exc}") from None
@@ -181,7 +181,8 @@ def _train_config(args: argparse.Namespace, base):
     options = {field: getattr(args, field, None) for field in (
         "model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio", "warmup_steps",
         "schedule", "eval_every",
-        "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes")}
+        "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes", "select",
+        "keep", "candidates", "data_noise")}
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_grad_clip:
         options["grad_clip"] = None
@@ -333,13 +334,20 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
         if resume is not None and args.out is None:
             args.out, args.overwrite = Path(args.resume).parent, True
         out = _out(args, "train", keep=("checkpoint.pt",) if resume is not None else ())
+    if args.governor_select_trial is not None and (args.flop_budget is None
+                                                   or config.select is None):
+        raise CommandLineError("--governor-select-trial needs --select and --flop-budget")
     data = _load_data(config)
     if resume is None and args.flop_budget is not None:
         governor = {k: v for k, v in (("window", args.governor_window),
                                       ("patience", args.governor_patience),
-                                      ("min_improvement", args.governor_min_improvement))
+                                      ("min_improvement", args.governor_min_improvement),
+                                      ("select_trial", args.governor_select_trial))
                     if v is not None}
-        config = dataclasses.replace(config, flop_budget=args.flop_budget, governor=governor)
+        try:
+            config = dataclasses.replace(config, flop_budget=args.flop_budget, governor=governor)
+        except ValueError as exc:
+            raise CommandLineError(str(exc)) from None
         try:  # a budget that does not pay for one step is refused, --steps or not
             budget_steps = steps_for_budget(args.flop_budget, config, data.vocab_size)
         except ValueError as exc:
@@ -352,6 +360,9 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
         f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
         f"{config.device}"
         + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else "")
+        + (f", selecting by {config.select} (keep {config.keep:g} of {config.candidates} "
+           "batches)" if config.select else "")
+        + (f", {config.data_noise:.0%} of the documents noised" if config.data_noise else "")
         + (f", {parallel.upper()} over {dist.get_world_size()} ranks" if parallel else "")
         + (f", resumed from step {resume['step']}" if resume is not None else ""))
     try:
@@ -367,8 +378,8 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
     if run["decisions"]:
         actions = [d["action"] for d in run["decisions"]]
         say(f"governor: {len(actions)} evaluations, {actions.count('reallocate')} "
-            f"reallocations; {run['summary']['flops']:.4g} of {config.flop_budget:.4g} FLOPs "
-            "spent")
+            f"reallocations, {actions.count('select')} selection switches; "
+            f"{run['summary']['flops']:.4g} of {config.flop_budget:.4g} FLOPs spent")
     say("wrote " + ", ".join(metrics["files"]))
     return 0
 
@@ -377,7 +388,8 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
 _RUN_OPTIONS = ("model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio",
                 "warmup_steps", "schedule", "eval_every", "eval_batches", "grad_clip",
                 "weight_decay", "seed", "data", "max_bytes", "flop_budget", "governor_window",
-                "governor_patience", "governor_min_improvement")
+                "governor_patience", "governor_min_improvement", "governor_select_trial",
+                "select", "keep", "candidates", "data_noise")
 
 
 def _resume(args: argparse.Namespace, parallel: Optional[str]):
@@ -487,6 +499,19 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
                        "downloads)")
     add("--max-bytes", type=_positive_int,
         help=f"read at most this many bytes of data (default: {defaults.max_bytes:,})")
+    add("--data-noise", type=_number(float, "a number in [0, 1)", lambda v: 0 <= v < 1),
+        metavar="F", help="replace this fraction of the training documents with low-value "
+                          "text (their bytes shuffled, or exact duplicates of others), the "
+                          "setting where data selection is said to pay (default: 0)")
+    add("--select", choices=["loss", "el2n", "rho"],
+        help="online data selection: score candidate batches in a no-grad forward and train "
+             "on the best by this score (rho: minus a small reference model's loss); its "
+             "FLOPs are counted (default: none)")
+    add("--keep", type=_number(float, "a number in (0, 1]", lambda v: 0 < v <= 1),
+        help=f"with --select, the fraction of the candidates trained on (default: "
+             f"{defaults.keep:g})")
+    add("--candidates", type=_positive_int,
+        help=f"with --select, batches scored per step (default: {defaults.candidates})")
     add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>); one "
                                  "that holds results of an earlier run is left alone and a "
                                  "new one beside it (<out>-2, ...) is used, unless --overwrite")
@@ -575,6 +600,12 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument("--governor-min-improvement", type=_non_negative_float,
                               help="relative loss improvement under which the rest of the "
                                    "budget is not worth spending (default 0.005)")
+    train_parser.add_argument("--governor-select-trial",
+                              type=_number(int, "an integer >= 2", lambda v: v >= 2),
+                              metavar="K",
+                              help="with --select and --flop-budget, let the governor turn "
+                                   "selection on and off from trials of K evaluations a mode "
+                                   "(docs/governor.md)")
     train_parser.add_argument("--save-model", action="store_true",
                               help="also write the trained weights to model.pt")
     train_parser.add_argument("--fsdp", action="store_true",

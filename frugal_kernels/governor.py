@@ -109,7 +109,7 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 class Governor:
-    """Compute governor: policy ``pi(state, remaining budget) -> continue | reallocate | decay | stop``.
+    """Compute governor: ``pi(state, remaining budget) -> continue | select | reallocate | decay | stop``.
 
     At each evaluation ``t`` (a call of :meth:`observe`) with cumulative FLOPs ``F_t``, loss
     ``L_t`` and remaining budget ``R_t = flop_budget - F_t``:
@@ -142,6 +142,21 @@ class Governor:
     The cooldown defaults to ``window`` so that the next ``G`` is fitted on losses measured
     after the change only.
 
+    **Online data selection** (``select_trial`` set): the governor also decides whether the
+    loop trains on selected batches (``frugal_kernels.data.OnlineSelector``, whose scoring
+    FLOPs the loop counts like any others) or on plain ones. :attr:`selecting` is the mode it
+    asks for (off at the start). It runs bracketed trials of ``select_trial`` evaluations a
+    segment: the held mode (``A``), the other mode (``B``), the held mode again (``A'``),
+    each segment's gain per FLOP fitted on its own points (the last point of a segment is
+    the first of the next). ``B`` wins when its gain beats the mean of ``A`` and ``A'`` by
+    more than ``select_margin`` of that mean's size; bracketing cancels the steady fall of
+    ``G`` over a run to first order (the remainder, with a convex loss curve, favours the
+    held mode: a switch must be earned). Each change of mode is answered with **select**
+    (``suggestion["select"]``: 1.0 on, 0.0 off); the trial repeats ``select_recheck``
+    evaluations after each verdict (None: once). Rule 1, a plateau's stop or decay, and the
+    budget come first; a decay that begins during a trial returns to the held mode
+    (``suggestion["select"]`` on the ``decay`` decision), and the mode then stays.
+
     **With a warmup-stable-decay schedule** (``decay_fraction`` set), most of the final gain
     comes in the decay ("cooldown") of the learning rate, so a run should not be cut in its
     stable phase: the governor decides when the decay begins instead. Where rule 2 would
@@ -167,6 +182,11 @@ class Governor:
         decay_fraction: the length of a learning-rate decay phase as a fraction of the
             FLOPs spent before it (e.g. 0.25): the governor then decides when the decay
             begins instead of stopping (see above). None: no decay phase.
+        select_trial: evaluations per segment of a selection trial (at least 2; see above).
+            None: the governor does not decide on selection.
+        select_margin: the relative margin by which the other mode's gain per FLOP must
+            beat the held mode's to switch.
+        select_recheck: evaluations between a verdict and the next trial (None: one trial).
     """
 
     def __init__(
@@ -181,6 +201,9 @@ class Governor:
         cooldown: Optional[int] = None,
         suggestion: Optional[dict[str, float]] = None,
         decay_fraction: Optional[float] = None,
+        select_trial: Optional[int] = None,
+        select_margin: float = 0.0,
+        select_recheck: Optional[int] = None,
     ) -> None:
         # Every check before any assignment: a refused governor is never half-built. Each
         # number must be finite: a NaN threshold compares False everywhere and would switch
@@ -205,6 +228,13 @@ class Governor:
         if decay_fraction is not None and not _finite_positive(decay_fraction):
             raise ValueError(
                 f"decay_fraction must be a finite positive number, got {decay_fraction!r}")
+        if select_trial is not None:
+            _check_count("select_trial", select_trial, 2, "to fit a slope per segment")
+        if select_recheck is not None:
+            _check_count("select_recheck", select_recheck, 1)
+        if not (isinstance(select_margin, numbers.Real) and math.isfinite(select_margin)
+                and select_margin >= 0):
+            raise ValueError(f"select_margin must be a finite number >= 0, got {select_margin!r}")
         if suggestion is not None:
             for key, factor in suggestion.items():
                 if not _finite_positive(factor):
@@ -221,6 +251,9 @@ class Governor:
             suggestion = {"update_gap_factor": 1.5, "rho_factor": 0.8}
         self.suggestion = dict(suggestion)
         self.decay_fraction = None if decay_fraction is None else float(decay_fraction)
+        self.select_trial = select_trial
+        self.select_margin = float(select_margin)
+        self.select_recheck = select_recheck
         self._attached: list[Any] = []
 
         self.spent_flops = 0.0
@@ -233,6 +266,14 @@ class Governor:
         self._last_reallocation: Optional[int] = None
         # FLOPs at which the decay phase ends, once the governor has started it.
         self.decay_end: Optional[float] = None
+        # Selection trials: the mode asked for, the trial's phase ("hold", "trial" or
+        # "bracket"), the current segment's points and the gains of the finished ones.
+        self.selecting = False
+        self._select_phase = "hold"
+        self._segment: list[tuple[float, float]] = []
+        self._segment_gains: list[float] = []
+        # Evaluations to hold the mode before the next trial; None once trials are over.
+        self._hold_left: Optional[int] = 0
 
     @property
     def remaining_flops(self) -> float:
@@ -303,6 +344,7 @@ class Governor:
         )
         if math.isfinite(loss):
             self._points = (self._points + [(self.spent_flops, loss)])[-self.window:]
+            self._segment.append((self.spent_flops, loss))
         self._decide(decision)
         self.history.append(decision.to_dict())
         level = logging.DEBUG if decision.action == "continue" else logging.INFO
@@ -326,6 +368,12 @@ class Governor:
         d.action = "decay"
         d.reason = f"{why}; decay the learning rate over the next {length:.4g} FLOPs"
         d.suggestion = {"decay_flops": length}
+        if self._select_phase == "trial":
+            # The decay is spent in the mode the run held, not in an unfinished trial's.
+            self.selecting = not self.selecting
+            self._select_phase = "hold"
+            self._segment_gains = []
+            d.suggestion["select"] = float(self.selecting)
 
     def _decide(self, d: Decision) -> None:
         if not math.isfinite(d.loss):
@@ -346,26 +394,29 @@ class Governor:
                 d.flops * (1.0 + self.decay_fraction) >= self.flop_budget:
             self._start_decay(d, "the budget left pays for the decay and no more")
             return
-        if len(self._points) < self.window:
-            d.reason = f"filling the window: {len(self._points)} of {self.window} evaluations"
-            return
-
-        xs, ys = zip(*self._points)
-        gain = -_slope(list(xs), list(ys))
-        d.gain_per_flop = gain
-        d.projected_improvement = gain * d.remaining_flops / d.loss
-        if d.projected_improvement < self.min_improvement:
-            self._below_streak += 1
-        else:
-            self._below_streak = 0
-        if self._below_streak >= self.patience:
-            why = (f"the rest of the budget would improve the loss by "
-                   f"{d.projected_improvement:.3%} at the current rate, under "
-                   f"{self.min_improvement:.3%}, for {self._below_streak} evaluations")
-            if self.decay_fraction is not None:
-                self._start_decay(d, why)
+        gain = None
+        if len(self._points) >= self.window:
+            xs, ys = zip(*self._points)
+            gain = -_slope(list(xs), list(ys))
+            d.gain_per_flop = gain
+            d.projected_improvement = gain * d.remaining_flops / d.loss
+            if d.projected_improvement < self.min_improvement:
+                self._below_streak += 1
             else:
-                d.action, d.reason = "stop", why
+                self._below_streak = 0
+            if self._below_streak >= self.patience:
+                why = (f"the rest of the budget would improve the loss by "
+                       f"{d.projected_improvement:.3%} at the current rate, under "
+                       f"{self.min_improvement:.3%}, for {self._below_streak} evaluations")
+                if self.decay_fraction is not None:
+                    self._start_decay(d, why)
+                else:
+                    d.action, d.reason = "stop", why
+                return
+        if self.select_trial is not None and self._decide_selection(d):
+            return
+        if gain is None:
+            d.reason = f"filling the window: {len(self._points)} of {self.window} evaluations"
             return
 
         if self._gain_ref is None:
@@ -387,6 +438,59 @@ class Governor:
             return
         d.reason = f"G = {gain:.3g} per FLOP (reference {self._gain_ref:.3g})"
 
+    def _segment_done(self) -> bool:
+        # A segment's first point is the last of the one before (the loss where the mode
+        # changed); the run's first segment has no such point.
+        return len(self._segment) > self.select_trial
+
+    def _switch(self, d: Decision, why: str) -> None:
+        self.selecting = not self.selecting
+        self._segment = self._segment[-1:]
+        d.action = "select"
+        d.reason = f"selection {'on' if self.selecting else 'off'}: {why}"
+        d.suggestion = {"select": float(self.selecting)}
+
+    def _decide_selection(self, d: Decision) -> bool:
+        """Advance the selection trial; True when it decided (a switch or a verdict)."""
+        if self._hold_left is None:
+            return False
+        if self._select_phase == "hold":
+            # Only the last segment's worth of the held mode is compared.
+            self._segment = self._segment[-(self.select_trial + 1):]
+            if self._hold_left > 0:
+                self._hold_left -= 1
+                if self._hold_left > 0:
+                    return False
+        if not self._segment_done():
+            return False
+        xs, ys = zip(*self._segment)
+        self._segment_gains.append(-_slope(list(xs), list(ys)))
+        held = "selected" if (self.selecting != (self._select_phase == "trial")) else "plain"
+        if self._select_phase == "hold":
+            self._select_phase = "trial"
+            self._switch(d, f"trial of {self.select_trial} evaluations against {held} steps "
+                            f"(G = {self._segment_gains[-1]:.3g} per FLOP)")
+            return True
+        if self._select_phase == "trial":
+            self._select_phase = "bracket"
+            self._switch(d, f"back to {held} steps to bracket the trial "
+                            f"(G = {self._segment_gains[-1]:.3g} per FLOP)")
+            return True
+        before, tried, after = self._segment_gains
+        reference = 0.5 * (before + after)
+        self._select_phase = "hold"
+        self._segment_gains = []
+        # None: no further trial.
+        self._hold_left = self.select_recheck
+        verdict = (f"G = {tried:.3g} per FLOP on trial against {reference:.3g} on {held} "
+                   f"steps ({before:.3g} before, {after:.3g} after)")
+        if tried - reference > self.select_margin * abs(reference):
+            self._switch(d, verdict)
+            return True
+        self._segment = self._segment[-1:]
+        d.reason = f"selection stays {'on' if self.selecting else 'off'}: {verdict}"
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """The run's progress, as plain JSON-able values.
 
@@ -402,6 +506,11 @@ class Governor:
             "gain_ref": self._gain_ref,
             "last_reallocation": self._last_reallocation,
             "decay_end": self.decay_end,
+            "selecting": self.selecting,
+            "select_phase": self._select_phase,
+            "segment": [list(p) for p in self._segment],
+            "segment_gains": list(self._segment_gains),
+            "hold_left": self._hold_left,
             "history": [dict(h) for h in self.history],
         }
 
@@ -415,4 +524,10 @@ class Governor:
         self._last_reallocation = state_dict["last_reallocation"]
         # Saved before the decay phase existed: none had started.
         self.decay_end = state_dict.get("decay_end")
+        # Saved before selection trials existed: selection was off.
+        self.selecting = bool(state_dict.get("selecting", False))
+        self._select_phase = state_dict.get("select_phase", "hold")
+        self._segment = [(float(f), float(l)) for f, l in state_dict.get("segment", [])]
+        self._segment_gains = [float(g) for g in state_dict.get("segment_gains", [])]
+        self._hold_left = state_dict.get("hold_left", 0)
         self.history = [dict(h) for h in state_dict["history"]]

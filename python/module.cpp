@@ -345,6 +345,7 @@ PYBIND11_MODULE(_C, m) {
     d["sign_sgd"] = as_dict(cuda::sign_sgd_limits());
     d["frugal_step"] = as_dict(cuda::frugal_step_limits());
     d["dqt_update"] = as_dict(cuda::dqt_update_limits());
+    d["grad_norm"] = as_dict(cuda::grad_norm_limits());
     return d;
   }, "The launch constants of the CUDA kernels (the emulated ones too, so in every build).");
 
@@ -539,6 +540,21 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     return cuda_emulated::dqt_update(t, sub, quant, b.dtype, h, d);
   });
+  m.def("grad_norm_cuda_emulated", [](const Addresses& grads, const Sizes& numel, int dtype_code,
+                                       bool max_norm, uintptr_t partials, int64_t capacity) {
+    check_count("grad_norm_cuda numel", numel.size(), grads.size());
+    const auto g = as_pointers<const void*>(grads);
+    py::gil_scoped_release nogil;
+    return cuda_emulated::grad_norm(g.data(), numel.data(), int64_t(g.size()), DType(dtype_code),
+                                    max_norm, reinterpret_cast<double*>(partials), capacity);
+  });
+  m.def("grad_norm_finish_cuda_emulated", [](uintptr_t partials, int64_t count, bool max_norm,
+                                              uintptr_t norm, uintptr_t found_inf) {
+    py::gil_scoped_release nogil;
+    cuda_emulated::grad_norm_finish(reinterpret_cast<const double*>(partials), count, max_norm,
+                                    reinterpret_cast<float*>(norm),
+                                    reinterpret_cast<float*>(found_inf));
+  });
 
 #ifdef FK_WITH_CUDA
   // ----------------------------------------------------------------- cuda
@@ -569,6 +585,26 @@ PYBIND11_MODULE(_C, m) {
     const QuantBatch quant = q.view(b);
     py::gil_scoped_release nogil;
     cuda::dqt_update(t, sub, quant, b.dtype, h, d, stream);
+  });
+  // grads: addresses of gradients of one dtype; partials: a device buffer of
+  // `capacity` doubles, one per chunk of each gradient is written.
+  m.def("grad_norm_cuda", [](const Addresses& grads, const Sizes& numel, int dtype_code,
+                             bool max_norm, uintptr_t partials, int64_t capacity,
+                             uintptr_t stream) {
+    check_count("grad_norm_cuda numel", numel.size(), grads.size());
+    const auto g = as_pointers<const void*>(grads);
+    py::gil_scoped_release nogil;
+    cuda::grad_norm(g.data(), numel.data(), int64_t(g.size()), DType(dtype_code), max_norm,
+                           reinterpret_cast<double*>(partials), capacity, stream);
+  });
+  // The partials of one or more grad_norm_cuda calls to the norm and found_inf
+  // (device float32 addresses).
+  m.def("grad_norm_finish_cuda", [](uintptr_t partials, int64_t count, bool max_norm,
+                                    uintptr_t norm, uintptr_t found_inf, uintptr_t stream) {
+    py::gil_scoped_release nogil;
+    cuda::grad_norm_finish(reinterpret_cast<const double*>(partials), count, max_norm,
+                           reinterpret_cast<float*>(norm), reinterpret_cast<float*>(found_inf),
+                           stream);
   });
 #endif
 }

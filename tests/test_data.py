@@ -1,5 +1,6 @@
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -7,6 +8,7 @@ from frugal_kernels.lab.corpus import (
     ByteTokenizer,
     Document,
     TokenDataset,
+    add_noise,
     load_corpus,
     stdlib_documents,
     text_file_documents,
@@ -184,3 +186,40 @@ def test_default_corpus_is_8_megabytes():
     assert data.source == "stdlib"
     assert len(data.train) + len(data.validation) == 8_000_000
     assert data.train.dtype == torch.uint8
+
+
+def _docs(n=40, size=300):
+    rng = np.random.default_rng(0)
+    return [Document(f"d{i}.py", bytes(f"def f{i}(x):\n    return x * {i}\n" * (size // 30),
+                                       "ascii") + bytes(rng.integers(97, 123, 5))) for i in range(n)]
+
+
+def test_noise_replaces_the_fraction_with_shuffles_and_duplicates_of_the_same_length():
+    docs = _docs()
+    noised = add_noise(docs, 0.4, seed=1)
+    changed = [(a, b) for a, b in zip(docs, noised) if a.data != b.data]
+    assert 0.2 * len(docs) <= len(changed) <= 0.6 * len(docs)
+    clean = {d.data for a, d in zip(docs, noised) if a.data == d.data}
+    shuffled = [b for a, b in changed if sorted(a.data) == sorted(b.data)]
+    duplicated = [b for a, b in changed if any(c.startswith(b.data[:len(c)]) or
+                                               b.data.startswith(c) for c in clean)]
+    assert shuffled and duplicated and len(shuffled) + len(duplicated) == len(changed)
+    assert all(len(a.data) == len(b.data) and a.name == b.name for a, b in zip(docs, noised))
+    assert add_noise(docs, 0.4, seed=1) == noised          # deterministic
+    assert add_noise(docs, 0.0) == docs
+
+
+def test_noise_touches_only_the_training_split():
+    docs = _docs()
+    plain = TokenDataset(docs, val_fraction=0.2, seed=3)
+    noisy = TokenDataset(docs, val_fraction=0.2, seed=3, noise=0.5)
+    assert torch.equal(plain.validation, noisy.validation)
+    assert len(plain.train) == len(noisy.train) and not torch.equal(plain.train, noisy.train)
+    assert noisy.noised_documents > 0 and noisy.digest != plain.digest
+    assert "noise=0.5" in repr(noisy)
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.0, float("nan"), True, "0.3"])
+def test_a_bad_noise_fraction_is_refused(fraction):
+    with pytest.raises(ValueError, match="noise fraction"):
+        TokenDataset(_docs(), noise=fraction)

@@ -376,3 +376,92 @@ def test_the_decay_phase_resumes_from_a_state_dict():
 def test_a_bad_decay_fraction_is_refused(fraction):
     with pytest.raises(ValueError, match="decay_fraction"):
         Governor(BUDGET, decay_fraction=fraction)
+
+
+# --- the selection action ---------------------------------------------------------------
+
+class SelectionCurve:
+    """A loss that falls towards 2.0 at ``plain_rate`` per evaluation interval of plain steps
+    and ``select_rate`` per interval of selected ones, whose intervals cost ``select_cost``
+    times the FLOPs (the scoring pass); the mode is ``governor.selecting``."""
+
+    def __init__(self, select_rate, plain_rate=1.0, select_cost=1.25, noise=0.0, seed=0):
+        self.rates = {True: (select_rate, select_cost), False: (plain_rate, 1.0)}
+        self.noise, self.rng, self.loss = noise, random.Random(seed), 5.0
+
+    def drive(self, governor, evaluations):
+        decisions = []
+        for _ in range(evaluations):
+            rate, cost = self.rates[governor.selecting]
+            self.loss = 2.0 + (self.loss - 2.0) * math.exp(-rate / 60)
+            governor.add_flops(cost * BUDGET / 240)
+            decisions.append(governor.observe(self.loss + self.rng.gauss(0.0, self.noise)))
+        return decisions
+
+
+def selection_run(select_rate, select_cost=1.25, governor=None, evaluations=60):
+    governor = governor or Governor(BUDGET, select_trial=3)
+    return governor, SelectionCurve(select_rate, select_cost=select_cost).drive(
+        governor, evaluations)
+
+
+def test_selection_that_pays_per_flop_is_turned_on():
+    governor, decisions = selection_run(select_rate=2.0)
+    selects = [d for d in decisions if d.action == "select"]
+    # trial on, back off to bracket, then on for good
+    assert [d.suggestion["select"] for d in selects] == [1.0, 0.0, 1.0]
+    assert governor.selecting
+    assert "on trial" in selects[-1].reason
+
+
+def test_selection_that_does_not_pay_for_its_scoring_stays_off():
+    # twice the gain per step, but the scoring makes a step cost 2.5 times the FLOPs
+    governor, decisions = selection_run(select_rate=2.0, select_cost=2.5)
+    assert [d.suggestion["select"] for d in decisions if d.action == "select"] == [1.0, 0.0]
+    assert not governor.selecting
+    assert any("selection stays off" in d.reason for d in decisions)
+
+
+def test_selection_trials_repeat_after_select_recheck_evaluations():
+    governor, decisions = selection_run(
+        select_rate=0.5, governor=Governor(BUDGET, select_trial=3, select_recheck=5))
+    switches = [d.evaluation for d in decisions if d.action == "select"]
+    verdicts = [d.evaluation for d in decisions if "stays off" in d.reason]
+    assert len(verdicts) >= 2
+    # each trial starts select_recheck evaluations after the verdict before it
+    assert switches[2] == verdicts[0] + 5
+
+
+@pytest.mark.parametrize("stop", [3, 4, 5, 8, 12])
+def test_the_selection_trial_resumes_from_a_state_dict(stop):
+    settings = dict(select_trial=3, select_recheck=4)
+    whole = Governor(BUDGET, **settings)
+    expected = SelectionCurve(2.0, noise=1e-3).drive(whole, 30)
+    first, curve = Governor(BUDGET, **settings), SelectionCurve(2.0, noise=1e-3)
+    head = curve.drive(first, stop)
+    resumed = Governor(BUDGET, **settings)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    tail = curve.drive(resumed, 30 - stop)
+    assert [d.to_dict() for d in head + tail] == [d.to_dict() for d in expected]
+    assert resumed.state_dict() == whole.state_dict()
+
+
+def test_a_decay_during_a_trial_returns_to_the_held_mode():
+    governor = Governor(BUDGET, select_trial=3, decay_fraction=0.25)
+    for i in range(4):
+        governor.add_flops(BUDGET / 100)
+        governor.observe(5.0 - 0.1 * i)
+    assert governor.selecting  # the trial began
+    governor.add_flops(0.8 * BUDGET - governor.spent_flops)
+    decision = governor.observe(4.0)
+    assert decision.action == "decay"
+    assert decision.suggestion["select"] == 0.0 and not governor.selecting
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"select_trial": 1}, ValueError), ({"select_trial": 2.5}, TypeError),
+    ({"select_recheck": 0}, ValueError), ({"select_margin": -0.1}, ValueError),
+    ({"select_margin": math.nan}, ValueError)])
+def test_bad_selection_settings_are_refused(kwargs, error):
+    with pytest.raises(error):
+        Governor(BUDGET, **kwargs)

@@ -77,6 +77,46 @@ def test_trainer_with_the_step_in_backward_equals_the_ordinary_trainer(tmp_path)
         assert torch.isfinite(a).all() and not torch.equal(a, b)
 
 
+@pytest.mark.slow  # about 17 s: two Trainers
+def test_the_trainers_clip_runs_in_the_optimizer(tmp_path, monkeypatch):
+    """max_grad_norm > 0: each step's clip is the optimizer's clip_grad_norm_ (one read of
+    the gradients, the factor applied inside the step); the Trainer's own clip
+    (accelerate's, torch's math) is not called, not even for the logged norm, which is the
+    optimizer's. The first step's norm is the one the plain Trainer's clip measures on
+    the same gradients."""
+    from accelerate import Accelerator
+    from transformers import Trainer
+
+    example = load_example()
+    torch_norms, ours = [], []
+    real = Accelerator.clip_grad_norm_
+
+    def recorded(self, *args, **kwargs):
+        torch_norms.append(real(self, *args, **kwargs))
+        return torch_norms[-1]
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", recorded)
+    trainer = example.make_trainer(str(tmp_path / "a"), max_steps=6, save_steps=100)
+    assert isinstance(trainer, example.optimizer_clip_trainer())
+    opt = trainer.optimizer
+    clip = opt.clip_grad_norm_
+
+    def counted(max_norm, *args, **kwargs):
+        ours.append((max_norm, clip(max_norm, *args, **kwargs)))
+        return ours[-1][1]
+    opt.clip_grad_norm_ = counted
+    result = trainer.train()
+    assert result.global_step == 6 and result.training_loss < 4.1  # log(64) = 4.16 at start
+    assert torch_norms == [] and [m for m, _ in ours] == [1.0] * 6
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert logged and logged[-1] == pytest.approx(ours[4][1].item())  # logged at step 5
+
+    plain = example.make_trainer(str(tmp_path / "b"), max_steps=1, save_steps=100)
+    plain.__class__ = Trainer  # torch's clip, through accelerate
+    plain.train()
+    assert len(torch_norms) == 1
+    assert ours[0][1].item() == pytest.approx(torch_norms[0].item(), rel=1e-5)
+
+
 def test_param_groups_reads_hf_llama_names():
     import frugal_kernels as fk
 

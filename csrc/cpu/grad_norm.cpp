@@ -1,9 +1,7 @@
 // grad_norm on the CPU: one read of every gradient, giving the sum of squares
-// (2-norm) or the largest magnitude (max norm) of all of them, in double.
+// (2-norm) or the largest magnitude (max norm) of all of them, in double, with
+// the arithmetic of frugal/norm.h (shared with the CUDA kernel).
 //
-// The sum runs in double so that no finite fp32 gradient can overflow it (the
-// largest square is 1.2e77): the result is then non-finite exactly when an
-// element is NaN or infinite, which makes it the step's non-finite flag too.
 // Each chunk is summed over kLanes independent accumulators (the compiler
 // vectorises across them without reassociating anything) and the chunks'
 // sums are added in chunk order, so the bits do not depend on the thread
@@ -11,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "frugal/norm.h"
 #include "kernels.h"
 #include "loops.h"
 #include "parallel.h"
@@ -35,13 +34,7 @@ inline double fold(const double* acc) {
 
 template <bool Max>
 inline void accumulate(double& acc, double x) {
-  if constexpr (Max) {
-    // NaN must win: a plain max would drop it (x > NaN is false).
-    const double a = std::fabs(x);
-    acc = (a > acc || a != a) ? a : acc;
-  } else {
-    acc = acc + x * x;
-  }
+  acc = norm_accumulate<Max>(acc, x);
 }
 
 // Adds the n values of x into the lanes of acc, value i into lane i % kLanes: a chunk's
@@ -59,7 +52,7 @@ template <bool Max>
 inline double finish(const double* acc) {
   if constexpr (Max) {
     double m = 0.0;
-    for (int j = 0; j < kLanes; ++j) accumulate<true>(m, acc[j]);
+    for (int j = 0; j < kLanes; ++j) m = norm_combine<true>(m, acc[j]);
     return m;
   } else {
     return fold(acc);
@@ -113,11 +106,7 @@ double grad_norm(const void* const* grads, const int64_t* numel, int64_t count, 
   });
   double total = 0.0;
   for (double x : partial) {
-    if (max_norm) {
-      accumulate<true>(total, x);  // magnitudes already; a NaN stays
-    } else {
-      total = total + x;
-    }
+    total = max_norm ? norm_combine<true>(total, x) : norm_combine<false>(total, x);
   }
   return total;
 }

@@ -8,9 +8,12 @@
 // starts, which is what a barrier guarantees on the GPU and nothing more.
 #include "kernels.h"
 
+#include <limits>
+
 #include "adamw.cuh"
 #include "dqt_update.cuh"
 #include "frugal_step.cuh"
+#include "grad_norm.cuh"
 #include "sign_sgd.cuh"
 
 namespace frugal {
@@ -108,6 +111,42 @@ int64_t dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatc
   };
   cuda::with_frugal_types(grad_dtype, sub.index_is_int32, h.frugal.state_free, run);
   return launches;
+}
+
+int64_t grad_norm(const void* const* grads, const int64_t* numel, int64_t count, DType dtype,
+                  bool max_norm, double* partials, int64_t capacity) {
+  cuda::grad_norm_partials(numel, count, capacity);
+  int64_t launches = 0;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    cuda::with_norm_kind(max_norm, [&](auto max_tag) {
+      launches = cuda::plan_grad_norm(grads, numel, count, partials,
+                                      [&](const cuda::GradNormMeta& meta, int blocks) {
+        for (int b = 0; b < blocks; ++b) {
+          // NaNs, not the GPU's undefined contents: a thread's result that the
+          // tree skipped would poison the partial.
+          cuda::GradNormShared sh;
+          for (double& x : sh.acc) x = std::numeric_limits<double>::quiet_NaN();
+          cuda::grad_norm_block<T, decltype(max_tag)::value>(
+              meta, b, sh, cuda::kGradNormThreads,
+              [&](auto&& phase) { each_thread(cuda::kGradNormThreads, phase); });
+        }
+      });
+    });
+  });
+  return launches;
+}
+
+void grad_norm_finish(const double* partials, int64_t count, bool max_norm, float* norm,
+                      float* found_inf) {
+  const cuda::GradNormFinish f{partials, count, norm, found_inf};
+  cuda::with_norm_kind(max_norm, [&](auto max_tag) {
+    cuda::GradNormShared sh;
+    for (double& x : sh.acc) x = std::numeric_limits<double>::quiet_NaN();
+    cuda::grad_norm_finish_block<decltype(max_tag)::value>(
+        f, sh, cuda::kGradNormThreads,
+        [&](auto&& phase) { each_thread(cuda::kGradNormThreads, phase); });
+  });
 }
 
 }  // namespace cuda_emulated

@@ -38,6 +38,15 @@ void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, cons
 // The batch's params are the packed codes and its dtype the gradients' (as cpu::dqt_update).
 void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q, DType grad_dtype,
                 const DqtHyper& h, const DeviceScalars& d, uintptr_t stream);
+// grad_norm of gradients of one dtype: one double partial result per chunk of
+// kGradNormChunk elements, written to partials[0, n) (device memory of
+// `capacity` doubles; fewer throws) in the planner's order. grad_norm_finish
+// combines partials[0, count), of one or more such calls, into *norm and
+// *found_inf (device float32).
+void grad_norm(const void* const* grads, const int64_t* numel, int64_t count, DType dtype,
+                  bool max_norm, double* partials, int64_t capacity, uintptr_t stream);
+void grad_norm_finish(const double* partials, int64_t count, bool max_norm, float* norm,
+                      float* found_inf, uintptr_t stream);
 // nvcc version and the architectures compiled in, e.g. "80;90;90-ptx".
 const char* nvcc_version();
 const char* archs();
@@ -55,6 +64,7 @@ LaunchLimits adamw_limits();
 LaunchLimits sign_sgd_limits();
 LaunchLimits frugal_step_limits();
 LaunchLimits dqt_update_limits();
+LaunchLimits grad_norm_limits();
 
 }  // namespace cuda
 
@@ -70,6 +80,12 @@ int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, c
                     const cuda::DeviceScalars& d);
 int64_t dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,
                    DType grad_dtype, const DqtHyper& h, const cuda::DeviceScalars& d);
+// Host memory in place of device memory; the launches of grad_norm are returned,
+// grad_norm_finish makes one.
+int64_t grad_norm(const void* const* grads, const int64_t* numel, int64_t count, DType dtype,
+                  bool max_norm, double* partials, int64_t capacity);
+void grad_norm_finish(const double* partials, int64_t count, bool max_norm, float* norm,
+                      float* found_inf);
 
 }  // namespace cuda_emulated
 }  // namespace frugal

@@ -5,6 +5,7 @@
 #include "adamw.cuh"
 #include "dqt_update.cuh"
 #include "frugal_step.cuh"
+#include "grad_norm.cuh"
 #include "sign_sgd.cuh"
 
 namespace frugal {
@@ -26,6 +27,11 @@ LaunchLimits frugal_step_limits() {
 
 LaunchLimits dqt_update_limits() {
   return LaunchLimits{kDqtThreads, kDqtChunk, kDqtTile, DqtMeta::kMaxTensors, DqtMeta::kMaxBlocks};
+}
+
+LaunchLimits grad_norm_limits() {
+  return LaunchLimits{kGradNormThreads, kGradNormChunk, 0, GradNormMeta::kMaxTensors,
+                      GradNormMeta::kMaxBlocks};
 }
 
 }  // namespace cuda

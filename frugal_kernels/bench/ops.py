@@ -232,6 +232,17 @@ def _dqt_update_cases(params, dtype, rho, bits: int = 4):
     return cases
 
 
+@register("grad_norm")
+def _grad_norm_cases(params, dtype, rho):
+    """The global norm and non-finite flag: one read of every gradient is all it moves."""
+    grads = _like(params)
+    n = sum(p.numel() for p in params)
+
+    def run(backend):
+        return lambda: ops.grad_norm(grads, backend=backend)
+    return [OpCase("grad_norm", "", n * params[0].element_size(), run)]
+
+
 # The ops the sweep knows, as `frugal-kernels bench --ops` takes them.
 OP_NAMES = tuple(_FACTORIES)
 

@@ -38,6 +38,7 @@ __all__ = [
     "ByteTokenizer",
     "Document",
     "TokenDataset",
+    "add_noise",
     "stdlib_documents",
     "text_file_documents",
     "hf_documents",
@@ -179,6 +180,46 @@ def _is_validation(name: str, seed: int, val_fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < val_fraction
 
 
+def _hash_fraction(key: str) -> float:
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def add_noise(documents: Sequence[Document], fraction: float, seed: int = 0) -> list[Document]:
+    """``documents`` with a ``fraction`` of them replaced by low-value text of the same length.
+
+    The setting where online data selection is said to pay (docs/ops.md, OnlineSelector): a
+    document is noised when a hash of its name and ``seed`` falls under ``fraction`` (so the
+    choice is deterministic and independent of the other files), and becomes either its own
+    bytes in a seeded random order (unigram statistics kept, structure gone: unlearnable) or
+    an exact duplicate, the start of another clean document repeated to the length (learnable
+    once, then worth nothing), alternately by a second hash. Names are kept, so the
+    train/validation split is the same as without noise; callers noise only the training
+    split, so that the validation loss stays a measure on clean text.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
+            not 0.0 <= fraction < 1.0:
+        raise ValueError(f"the noise fraction must lie in [0, 1), got {fraction!r}")
+    noised = [_hash_fraction(f"noise:{seed}:{doc.name}") < fraction for doc in documents]
+    clean = [doc for doc, n in zip(documents, noised) if not n and doc.data]
+    out = []
+    for doc, noise in zip(documents, noised):
+        if not noise or not doc.data:
+            out.append(doc)
+            continue
+        key = f"noise-kind:{seed}:{doc.name}"
+        if clean and _hash_fraction(key) < 0.5:
+            source = clean[int(_hash_fraction(key + ":source") * len(clean))].data
+            repeats = -(-len(doc.data) // len(source))
+            data = (source * repeats)[:len(doc.data)]
+        else:
+            generator = np.random.default_rng(int.from_bytes(
+                hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"))
+            data = generator.permutation(np.frombuffer(doc.data, dtype=np.uint8)).tobytes()
+        out.append(Document(doc.name, data))
+    return out
+
+
 def _to_tokens(chunks: Sequence[bytes]) -> torch.Tensor:
     # Bytes are their own token ids: one buffer copy, no Python loop over tokens.
     return torch.from_numpy(np.frombuffer(b"".join(chunks), dtype=np.uint8).copy())
@@ -194,6 +235,9 @@ class TokenDataset:
     leaves a split empty (a corpus of one file or a handful), the last ``val_fraction`` of the
     concatenated bytes is validation instead. Within a split, documents are concatenated in
     their given order.
+
+    ``noise`` replaces that fraction of the training documents by low-value text
+    (:func:`add_noise`); validation stays clean.
     """
 
     def __init__(
@@ -202,6 +246,7 @@ class TokenDataset:
         val_fraction: float = 0.05,
         seed: int = 0,
         source: str = "",
+        noise: float = 0.0,
     ) -> None:
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
@@ -213,18 +258,27 @@ class TokenDataset:
         self.tokenizer = ByteTokenizer()
         self.vocab_size = self.tokenizer.vocab_size
         in_val = [_is_validation(doc.name, seed, val_fraction) for doc in documents]
-        train = [doc.data for doc, v in zip(documents, in_val) if not v]
+        train_docs = add_noise([doc for doc, v in zip(documents, in_val) if not v], noise, seed)
+        train = [doc.data for doc in train_docs]
         val = [doc.data for doc, v in zip(documents, in_val) if v]
         if any(train) and any(val):
             self.train, self.validation = _to_tokens(train), _to_tokens(val)
             self.split_rule = "documents"
         else:
+            if noise:
+                raise ValueError(f"noise={noise} needs a corpus split by documents; "
+                                 f"{source!r} has too few to split")
             tokens = _to_tokens([doc.data for doc in documents])
             cut = len(tokens) - max(1, int(len(tokens) * val_fraction))
             self.train, self.validation = tokens[:cut], tokens[cut:]
             self.split_rule = "tail"
         self.num_documents = len(documents)
-        self.digest = hashlib.sha256(b"".join(doc.data for doc in documents)).hexdigest()
+        self.noise = float(noise)
+        self.noised_documents = sum(new is not old for new, old in zip(
+            train_docs, (doc for doc, v in zip(documents, in_val) if not v)))
+        # Of what is trained and validated on: a noised corpus is another corpus.
+        self.digest = hashlib.sha256(b"".join(train + val)).hexdigest() if noise else \
+            hashlib.sha256(b"".join(doc.data for doc in documents)).hexdigest()
 
     def tokens(self, split: str) -> torch.Tensor:
         if split == "train":
@@ -305,7 +359,9 @@ class TokenDataset:
     def __repr__(self) -> str:
         return (f"TokenDataset(source={self.source!r}, documents={self.num_documents}, "
                 f"train_tokens={len(self.train)}, validation_tokens={len(self.validation)}, "
-                f"split={self.split_rule!r})")
+                f"split={self.split_rule!r}"
+                + (f", noise={self.noise}, noised_documents={self.noised_documents}"
+                   if self.noise else "") + ")")
 
 
 def load_corpus(
@@ -314,11 +370,14 @@ def load_corpus(
     max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
     val_fraction: float = 0.05,
     seed: int = 0,
+    noise: float = 0.0,
 ) -> TokenDataset:
     """A :class:`TokenDataset` from ``source`` (see the module docstring for the forms).
 
     ``max_bytes`` caps what is read from any source, the user's files included (``None``: no
-    cap); a cut is logged. ``seed`` fixes the train/validation split.
+    cap); a cut is logged. ``seed`` fixes the train/validation split and the noised documents;
+    ``noise`` is the fraction of training documents replaced by low-value text
+    (:func:`add_noise`).
     """
     if source is None or source == "stdlib":
         documents = stdlib_documents(max_bytes)
@@ -327,4 +386,5 @@ def load_corpus(
         documents = hf_documents(source[len("hf:"):], max_bytes)
     else:
         documents = text_file_documents(source, max_bytes)
-    return TokenDataset(documents, val_fraction=val_fraction, seed=seed, source=source)
+    return TokenDataset(documents, val_fraction=val_fraction, seed=seed, source=source,
+                        noise=noise)

@@ -74,6 +74,17 @@ class TrainConfig:
     ``governor`` (its keyword arguments); with ``decay_fraction`` among them the governor
     starts the WSD decay (:mod:`frugal_kernels.lab.schedule`) and ends the run after it.
 
+    ``select`` trains on online-selected batches (:class:`~frugal_kernels.data.OnlineSelector`
+    with policy ``select``): each step draws ``candidates`` batches, scores them in one
+    no-grad forward pass and trains on the ``keep`` fraction (``keep = 1 / candidates``
+    trains on ``batch_size`` sequences, as a plain step does); the scoring passes count in
+    the run's FLOPs (a forward is a third of :func:`~frugal_kernels.model.flops_per_token`).
+    ``"rho"`` first trains a ``tiny`` reference model on ``select_reference_steps`` batches
+    of the training split (another seed), its FLOPs counted too. With ``select_trial`` in
+    ``governor`` the governor turns selection on and off (docs/governor.md). ``data_noise``
+    replaces that fraction of the training documents with low-value text
+    (:func:`~frugal_kernels.lab.corpus.add_noise`) when the data is loaded from ``data``.
+
     ``parallel`` spreads the run over the processes of an initialized default process
     group (``torchrun``): ``"ddp"`` (DistributedDataParallel) or ``"fsdp"`` (FSDP2's
     ``fully_shard`` on every decoder layer and the whole model). ``batch_size`` is then
@@ -106,6 +117,11 @@ class TrainConfig:
     flop_budget: Optional[float] = None
     governor: dict[str, Any] = field(default_factory=dict)
     parallel: Optional[str] = None
+    select: Optional[str] = None
+    keep: float = 0.5
+    candidates: int = 2
+    select_reference_steps: int = 50
+    data_noise: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_batches"):
@@ -135,10 +151,37 @@ class TrainConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        self._check_selection()
         if self.governor.get("decay_fraction") is not None and self.schedule != "wsd":
             raise ValueError("a governor with decay_fraction starts the decay of a "
                              f"warmup-stable-decay schedule; schedule={self.schedule!r} has "
                              "none: use schedule='wsd'")
+
+    def _check_selection(self) -> None:
+        from frugal_kernels.data import POLICIES
+
+        if self.select is not None and self.select not in POLICIES:
+            raise ValueError(f"select must be one of {', '.join(POLICIES)} or None, got "
+                             f"{self.select!r}")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)) or \
+                not 0.0 < self.keep <= 1.0:
+            raise ValueError(f"keep must lie in (0, 1], got {self.keep!r}")
+        for name in ("candidates", "select_reference_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.data_noise, bool) or not isinstance(self.data_noise, (int, float)) \
+                or not 0.0 <= self.data_noise < 1.0:
+            raise ValueError(f"data_noise must lie in [0, 1), got {self.data_noise!r}")
+        if self.governor.get("select_trial") is not None and self.select is None:
+            raise ValueError("a governor with select_trial turns selection on and off: give "
+                             "select (the policy) too")
+        if self.select is not None and self.parallel is not None:
+            raise ValueError("online selection runs in one-process runs only")
+
+    def selected_batch(self) -> int:
+        """The sequences a selected step trains on: ``keep`` of ``candidates`` batches."""
+        return max(1, math.ceil(self.keep * self.candidates * self.batch_size - 1e-9))
 
     def model_config(self, vocab_size: int) -> LlamaConfig:
         return LlamaConfig.from_preset(self.model, vocab_size=vocab_size,
@@ -467,6 +510,30 @@ def _evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
     return total / len(batches)
 
 
+def _reference_model(data: TokenDataset, config: TrainConfig,
+                     device: torch.device) -> tuple[nn.Module, float]:
+    """RHO-LOSS's reference: a ``tiny`` model trained with AdamW on batches of the training
+    split drawn with another seed, and the FLOPs that cost. The reference sees what the
+    trained model sees, noise included: it cannot predict the noise either, so subtracting
+    its loss leaves what is learnable and not yet learnt."""
+    model = LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=data.vocab_size,
+                                                     max_seq_len=config.seq_len),
+                             seed=config.seed + 1).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = data.batches("train", config.batch_size, config.seq_len,
+                           seed=config.seed + 1, device=device,
+                           num_batches=config.select_reference_steps)
+    for input_ids, labels in batches:
+        model(input_ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    spent = (config.select_reference_steps * config.tokens_per_step()
+             * flops_per_token(model.config, config.seq_len)
+             + config.select_reference_steps * optimizer_flops(model.config.num_params(), "adamw"))
+    return model, float(spent)
+
+
 def _ranks(config: TrainConfig) -> tuple[int, int]:
     """(rank, world size) of a parallel run (checked), (0, 1) otherwise."""
     if config.parallel is None:
@@ -551,7 +618,7 @@ def train(
 
     device = torch.device(config.device)
     if data is None:
-        data = load_corpus(config.data, max_bytes=config.max_bytes)
+        data = load_corpus(config.data, max_bytes=config.max_bytes, noise=config.data_noise)
     check_data(data, config)
     if (checkpoint is not None or resume is not None) and config.parallel is not None:
         raise ValueError("checkpoints are written and resumed in one-process runs only")
@@ -566,9 +633,10 @@ def train(
     val_batches = data.validation_batches(config.batch_size, config.seq_len,
                                           num_batches=config.eval_batches, device=device)
     start = 0 if resume is None else int(resume["step"])
-    # A resumed run skips the batches the first part drew.
+    # A resumed run skips the batches the first part drew (selected steps draw several).
+    drawn = start if resume is None else int(resume.get("batches_drawn", start))
     batches = data.batches("train", config.batch_size, config.seq_len, seed=config.seed,
-                           device=device, skip=start)
+                           device=device, skip=drawn)
 
     peak = PeakMemory(device)
     opt = make_optimizer(model, config)
@@ -589,6 +657,18 @@ def train(
                                                  config.cooldown_fraction)))
     observe_loss = getattr(opt, "observe_loss", None)
     flops, elapsed_before = 0.0, 0.0
+    selector = reference = None
+    if config.select is not None:
+        from frugal_kernels.data import OnlineSelector
+
+        if config.select == "rho":
+            reference, flops = _reference_model(data, config, device)
+            if resume is not None:
+                reference.load_state_dict(resume["selector"]["reference"])
+        selector = OnlineSelector(config.select, config.keep, config.candidates,
+                                  reference=reference, seed=config.seed)
+    if governor is not None and flops:
+        governor.add_flops(flops)  # the reference model's training
     if resume is not None:
         model.load_state_dict(resume["model"])
         opt.load_state_dict(resume["optimizer"])
@@ -597,6 +677,8 @@ def train(
             governor.load_state_dict(resume["governor"])
         torch.set_rng_state(resume["rng"])
         flops, elapsed_before = float(resume["flops"]), float(resume["elapsed"])
+        if selector is not None:
+            selector.load_state_dict(resume["selector"]["state"])
 
     name = name or type(opt).__name__
     result = RunResult(name=name, optimizer=type(opt).__name__, config=dataclasses.asdict(config),
@@ -622,12 +704,28 @@ def train(
     if rank != 0:
         progress = False
 
+    # A forward pass is a third of a training step's 6N FLOPs per token (2N of them).
+    scoring_fpt = fpt / 3 + (0.0 if reference is None
+                             else flops_per_token(reference.config, config.seq_len) / 3)
+
     def _loop() -> None:
-        nonlocal flops
+        nonlocal flops, drawn
         for step in range(start + 1, config.steps + 1):
             _synchronize(device)
             t0 = time.perf_counter()
-            input_ids, labels = next(batches)
+            selecting = selector is not None and (
+                governor is None or governor.select_trial is None or governor.selecting)
+            scored = 0
+            if selecting:
+                pool = [next(batches) for _ in range(config.candidates)]
+                drawn += config.candidates
+                input_ids, labels, _ = selector.select(
+                    forward, torch.cat([ids for ids, _ in pool]),
+                    torch.cat([lab for _, lab in pool]))
+                scored = config.candidates * tokens
+            else:
+                input_ids, labels = next(batches)
+                drawn += 1
             if world > 1:  # this rank's share of the global batch
                 input_ids = input_ids[rank * share:(rank + 1) * share]
                 labels = labels[rank * share:(rank + 1) * share]
@@ -657,7 +755,8 @@ def train(
                 train_loss, opt_flops = _sum_over_ranks(train_loss / world, opt_flops, device=device)
             step_time = time.perf_counter() - t0
 
-            flops += tokens * fpt + opt_flops
+            trained = input_ids.numel() * world
+            flops += trained * fpt + scored * scoring_fpt + opt_flops
             record = {"step": step, "train_loss": train_loss, "lr": float(lr),
                       "step_time": step_time, "optimizer_time": opt_time,
                       **memory, "flops": flops, "peak_memory": peak.read()}
@@ -672,8 +771,10 @@ def train(
                            "memory/state_MB": memory["state_bytes"] / 2**20,
                            **{f"optimizer/{a}": record[a] for a in ("rho", "update_gap")
                               if a in record}})
+            if selector is not None:
+                record["selected"] = selecting
             if governor is not None:
-                governor.step(tokens, optimizer_flops=opt_flops)
+                governor.step(trained, optimizer_flops=opt_flops + scored * scoring_fpt)
 
             # A budget spent mid-interval ends the run at this step, evaluated, rather than
             # overshooting by up to eval_every steps.
@@ -710,6 +811,11 @@ def train(
                             "optimizer": opt.state_dict(), "schedule": schedule.state_dict(),
                             "governor": None if governor is None else governor.state_dict(),
                             "rng": torch.get_rng_state(), "flops": flops,
+                            "batches_drawn": drawn,
+                            "selector": None if selector is None else {
+                                "state": selector.state_dict(),
+                                "reference": None if reference is None
+                                else reference.state_dict()},
                             "elapsed": time.perf_counter() - started,
                             "result": {"steps": result.steps,
                                        "evaluations": result.evaluations}})

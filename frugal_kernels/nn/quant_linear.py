@@ -22,7 +22,7 @@ works unchanged, and so do ``.to()``, ``deepcopy``, ``torch.save(model)`` and FS
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -180,8 +180,13 @@ class QuantLinear(nn.Module):
             weights above ``mean(|W|)`` (about 40% of a Gaussian or uniform
             weight); ``"absmax"``, ``s = max(|W|) / qmax``, which clips nothing.
             Then ``q = clamp(round(W / s), -qmax, qmax)``. The scale stays fixed
-            in training. On the demo model absmax trains much better (4-bit:
-            AdamW's loss, against +8% with absmean; docs/demo.md).
+            in training. An all-zero weight (or row, with ``scale="row"``), such
+            as a zero-initialised output projection, has no size to take: it
+            gets the size nn.Linear's default init has by the same rule
+            (``0.5 / sqrt(in_features)`` for absmean, ``1 / sqrt(in_features)``
+            for absmax), so that DQT can train it. On the demo model absmax
+            trains much better (4-bit: AdamW's loss, against +8% with absmean;
+            docs/demo.md).
         device: where the codes, scales and bias live.
         dtype: of the bias and of the weight gradient (float32, bfloat16 or
             float16). A bf16 gradient halves its memory (2 bytes per weight)
@@ -193,8 +198,11 @@ class QuantLinear(nn.Module):
     Inputs may be float32, bfloat16 or float16; the weight is dequantized to
     the input's dtype. ``state_dict()`` holds ``codes`` (uint8), ``scale``
     (float32), ``bias`` and an extra state with the format, ``bits`` and
-    ``seed``; it loads back bit-exactly. ``.to(dtype)`` changes the dtype of
-    the bias and of the weight's gradient; the scales stay fp32.
+    ``seed``; it loads back bit-exactly. A load checks the whole layer before it
+    copies anything: the extra state must be there (it says the codes' width) and
+    the codes must be codes of that width (no field above ``2 * qmax``, padding
+    bits zero). ``.to(dtype)`` changes the dtype of the bias and of the weight's
+    gradient; the scales stay fp32.
     """
 
     # Set by frugal_kernels.nn.shard_quantized_, which keeps a block of the rows.
@@ -278,6 +286,13 @@ class QuantLinear(nn.Module):
             size = groups.mean(dim=1)
         else:
             size = groups.amax(dim=1)
+        # An all-zero weight (or row), as a zero-initialised output projection has, gives
+        # no size: its floor scale would cap every weight the layer can reach at
+        # qmax * 1e-8, and DQT (which keeps the scales fixed) could never train it. It
+        # takes the size nn.Linear's default init (uniform in +-1/sqrt(in_features)) has
+        # by the same rule, so its codes step as a freshly initialised layer's do.
+        default = (0.5 if self.scale_init == "absmean" else 1.0) / math.sqrt(self.in_features)
+        size = torch.where(size == 0, torch.full_like(size, default), size)
         scale = (size / qmax).clamp_(min=1e-8)
         if not bool(torch.isfinite(scale).all()):
             raise ValueError("QuantLinear.quantize_from: the weight has non-finite values")
@@ -357,48 +372,21 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        extra = state_dict.get(prefix + "_extra_state")
-        if isinstance(extra, dict) and (extra.get("bits"), extra.get("scale")) != \
-                (self.bits, self.scale_mode):
-            # Checked before anything loads: torch would copy the bias and report
-            # the codes' shape, or raise from set_extra_state half way.
-            error_msgs.append(f"{prefix}: the checkpoint's layer has bits={extra.get('bits')}, "
-                              f"scale={extra.get('scale')!r}; this one bits={self.bits}, "
-                              f"scale={self.scale_mode!r}")
+        # Nothing of this layer changes before its codes and scales are known to fit:
+        # torch would copy the bias and report the codes' shape, or raise from
+        # set_extra_state half way.
+        state_dict = self._as_read(state_dict, prefix)
+        problem, loads, missing = self._check_read(state_dict, prefix)
+        if problem is not None:
+            error_msgs.append(problem)
             return
-        if prefix + "weight" in state_dict:
-            error_msgs.append(f"{prefix}weight: the checkpoint holds a float weight (an "
-                              "nn.Linear's?); build this layer with QuantLinear.from_linear")
-            return
-        loads = {}
-        for name, mine in (("codes", self.codes), ("scale", self.scale)):
-            key = prefix + name
-            if key not in state_dict:
-                missing_keys.append(key)
-                continue
-            value = state_dict[key]
-            if not isinstance(value, Tensor):
-                error_msgs.append(f"{key}: expected a tensor, got {type(value).__name__}")
-                return
-            if not isinstance(self.weight, QuantWeight) and (name == "codes" or
-                                                            self.scale_mode == "row"):
-                value = _own_rows(self.weight, value)
-            if value.dtype != mine.dtype:
-                error_msgs.append(f"{key}: {'packed codes are torch.uint8' if name == 'codes' else 'scales are torch.float32'}, "
-                                  f"the checkpoint's are {value.dtype}")
-                return
-            if value.shape != mine.shape:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
-                                  f"{tuple(value.shape)} from checkpoint, the shape in current "
-                                  f"model is {tuple(mine.shape)}")
-                return
-            loads[name] = value
-        # Nothing of this layer changes before its codes and scales are known to fit.
+        missing_keys.extend(missing)
         # The weight's own key is never in the state dict (its codes and scales are).
-        missing = len(missing_keys)
+        first_missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        missing_keys[missing:] = [k for k in missing_keys[missing:] if k != prefix + "weight"]
+        missing_keys[first_missing:] = [k for k in missing_keys[first_missing:]
+                                        if k != prefix + "weight"]
         if strict:  # torch counts the keys of no parameter or buffer as unexpected
             mine = {prefix + name for name in loads}
             unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
@@ -406,6 +394,67 @@ class QuantLinear(nn.Module):
             for name, value in loads.items():
                 getattr(self, name).copy_(value)
 
+    def _check_load(self, state_dict, prefix: str
+                    ) -> Tuple[Optional[str], Dict[str, Tensor], List[str]]:
+        """What would stop this layer loading from ``state_dict`` at ``prefix`` (or None),
+        the codes and scales it would copy, and their keys that are missing: the check
+        :func:`frugal_kernels.quantize_` puts on a model runs it before anything of the
+        model loads."""
+        return self._check_read(self._as_read(state_dict, prefix), prefix)
+
+    def _as_read(self, state_dict, prefix: str):
+        """``state_dict`` as this layer reads it (a ShardedQuantLinear: its rows)."""
+        return state_dict
+
+    def _check_read(self, state_dict, prefix: str
+                    ) -> Tuple[Optional[str], Dict[str, Tensor], List[str]]:
+        """:meth:`_check_load` of a state dict already as the layer reads it."""
+        if prefix + "weight" in state_dict:
+            return (f"{prefix}weight: the checkpoint holds a float weight (an nn.Linear's?); "
+                    "build this layer with QuantLinear.from_linear"), {}, []
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is None:
+            if prefix + "codes" in state_dict or prefix + "scale" in state_dict:
+                # A tensors-only state dict: codes of another width can have this one's
+                # packed shape (2 columns at 2, 3 or 4 bits) and would load as garbage.
+                return (f"{prefix}_extra_state: missing beside the codes; it says their "
+                        f"width (bits), scale kind and rounding seed, without which they "
+                        f"cannot be read (this layer has bits={self.bits}): load the whole "
+                        "state_dict(), which torch.load(weights_only=True) reads"), {}, []
+        elif not isinstance(extra, dict) or extra.get("format") != _FORMAT:
+            return f"{prefix}_extra_state: QuantLinear: an extra state of an unknown " \
+                   f"format: {extra!r}", {}, []
+        elif (extra.get("bits"), extra.get("scale")) != (self.bits, self.scale_mode):
+            return (f"{prefix}: the checkpoint's layer has bits={extra.get('bits')}, "
+                    f"scale={extra.get('scale')!r}; this one bits={self.bits}, "
+                    f"scale={self.scale_mode!r}"), {}, []
+        loads, missing = {}, []
+        for name, mine in (("codes", self.codes), ("scale", self.scale)):
+            key = prefix + name
+            if key not in state_dict:
+                missing.append(key)
+                continue
+            value = state_dict[key]
+            if not isinstance(value, Tensor):
+                return f"{key}: expected a tensor, got {type(value).__name__}", {}, []
+            if not isinstance(self.weight, QuantWeight) and (name == "codes" or
+                                                            self.scale_mode == "row"):
+                value = _own_rows(self.weight, value)
+            if value.dtype != mine.dtype:
+                kind = "packed codes are torch.uint8" if name == "codes" else \
+                    "scales are torch.float32"
+                return f"{key}: {kind}, the checkpoint's are {value.dtype}", {}, []
+            if value.shape != mine.shape:
+                return (f"size mismatch for {key}: copying a param with shape "
+                        f"{tuple(value.shape)} from checkpoint, the shape in current model "
+                        f"is {tuple(mine.shape)}"), {}, []
+            if name == "codes" and not _quant.are_codes(value, self.bits, self.in_features):
+                qmax = _quant.qmax(self.bits)
+                return (f"{key}: not {self.bits}-bit codes of {self.in_features} columns (a "
+                        f"field above {2 * qmax}, the code {qmax + 1}, or padding bits set): "
+                        "a checkpoint of another width or a damaged one"), {}, []
+            loads[name] = value
+        return None, loads, missing
 
     def get_extra_state(self) -> dict:
         return {"format": _FORMAT, "bits": self.bits, "seed": self.seed,

@@ -44,6 +44,17 @@ def quantize_(model: nn.Module, bits: int = 4, skip: Union[str, Iterable[str]] =
     raises a ValueError unless skipped. Every new layer is built before any is put
     in place, so a call that raises (that, or a non-finite weight) leaves the model
     as it was.
+
+    The model gets a ``load_state_dict`` pre-hook (once, however often it is
+    converted; it travels with ``copy.deepcopy`` and ``torch.save`` of the model):
+    before anything of the model loads, it checks every QuantLinear's entries as the
+    layer's own load would, and raises the layer's error (a float weight, another
+    width, codes out of range) with nothing copied. Without it torch would copy
+    every module that fits (the embedding, the head) and raise at the end. It
+    guards ``model.load_state_dict``; a load into one of its submodules, or through
+    a module that holds ``model`` (which copies its own tensors and the modules
+    before ``model`` first), has each layer's own check only: the layer loads
+    nothing, the other modules load.
     """
     _quant.check_bits(bits, "quantize_")
     _quant.check_scale_init(scale_init, "quantize_")
@@ -81,4 +92,25 @@ def quantize_(model: nn.Module, bits: int = 4, skip: Union[str, Iterable[str]] =
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, layer)
             replaced.append(name)
+    if not any(getattr(hook, "hook", None) is _check_quantized_load
+               for hook in model._load_state_dict_pre_hooks.values()):
+        model.register_load_state_dict_pre_hook(_check_quantized_load)
     return replaced
+
+
+def _check_quantized_load(model: nn.Module, state_dict, prefix, local_metadata, strict,
+                          missing_keys, unexpected_keys, error_msgs) -> None:
+    """Refuse a state dict that a QuantLinear of ``model`` would refuse (a float weight, a
+    layer of another width, bad codes) before anything of the model is copied: torch's
+    ``load_state_dict`` goes on through the other modules after a layer's error and
+    raises at the end, when the embedding, the head and every layer that fit have been
+    overwritten from the rejected checkpoint."""
+    problems = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, QuantLinear):
+            problem, _, _ = module._check_load(state_dict, f"{prefix}{name}." if name else prefix)
+            if problem is not None:
+                problems.append(problem)
+    if problems:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
+                           + "\n\t".join(problems))

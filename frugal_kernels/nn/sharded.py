@@ -182,15 +182,13 @@ class ShardedQuantLinear(QuantLinear):
             destination[prefix + name] = self.shard.to_dtensor(
                 block, (self.shard.rows, *block.shape[1:]))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _as_read(self, state_dict, prefix: str):
         state_dict = dict(state_dict)
         for name in self._sharded_buffers():
             value = state_dict.get(prefix + name)
             if isinstance(value, Tensor):
                 state_dict[prefix + name] = self.shard.block_of(value)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        return state_dict
 
     def _sharded_buffers(self) -> List[str]:
         return ["codes", "scale"] if self.scale_mode == "row" else ["codes"]

@@ -48,7 +48,7 @@ CAPABILITIES = {
     # tiles; frugal::linear_cross_entropy_backward follows the same choice.
     "frugal::linear_cross_entropy": frozenset(("triton", "torch")),
     # The global gradient norm and non-finite flag (out of place).
-    "frugal::grad_norm": frozenset(("cpu", "triton", "torch")),
+    "frugal::grad_norm": frozenset(BACKENDS),
 }
 
 # Ops worth calling on tensors of a device type only up to a size, (op, device type) ->

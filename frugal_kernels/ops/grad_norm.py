@@ -15,6 +15,7 @@ with no host sync.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import List, Sequence, Tuple
@@ -81,6 +82,42 @@ def _cpu(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
     norm = total if max_norm else math.sqrt(total)
     return (torch.tensor(norm, dtype=torch.float32),
             torch.tensor([0.0 if math.isfinite(norm) else 1.0], dtype=torch.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_chunk(ext) -> int:
+    """The elements of one partial result of the CUDA kernel (csrc/cuda/grad_norm.cuh)."""
+    return ext.cuda_limits()["grad_norm"]["chunk"]
+
+
+@_IMPLS.backend("cuda")
+def _cuda(grads: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
+    ext, max_norm, device = extension(), math.isinf(norm_type), grads[0].device
+    chunk = _cuda_chunk(ext)
+    by_dtype = defaultdict(list)
+    for g in grads:
+        if g.numel():
+            by_dtype[g.dtype].append(g.contiguous())
+    # One partial result per chunk of every gradient, all dtypes in one buffer that the
+    # last launch reads: each call writes its part at its own offset.
+    counts = {dtype: sum(-(-g.numel() // chunk) for g in group)
+              for dtype, group in by_dtype.items()}
+    total = sum(counts.values())
+    partials = torch.empty(max(total, 1), dtype=torch.float64, device=device)
+    norm = torch.empty((), dtype=torch.float32, device=device)
+    found_inf = torch.empty(1, dtype=torch.float32, device=device)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        offset = 0
+        for dtype, group in by_dtype.items():
+            ext.grad_norm_cuda([g.data_ptr() for g in group], [g.numel() for g in group],
+                               DTYPE_CODES[dtype], max_norm,
+                               partials.data_ptr() + offset * partials.element_size(),
+                               counts[dtype], stream)
+            offset += counts[dtype]
+        ext.grad_norm_finish_cuda(partials.data_ptr(), total, max_norm, norm.data_ptr(),
+                                  found_inf.data_ptr(), stream)
+    return norm, found_inf
 
 
 @_IMPLS.backend("triton")

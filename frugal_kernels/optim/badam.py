@@ -1,7 +1,18 @@
-"""BAdam: block coordinate descent, AdamW or FRUGAL on one block at a time (DESIGN.md section 1)."""
+"""BAdam: block coordinate descent, AdamW or FRUGAL on one block at a time (DESIGN.md section 1).
+
+BAdam is a policy of the step engine (:class:`~frugal_kernels.optim.base.FusedOptimizer`):
+its param groups are the blocks, the active block is the one group that steps
+(:meth:`BAdam._group_steps`), and its tensors take AdamW (``DENSE_MASTER``: bf16 /
+fp16 ones on an fp32 master copy) or, with ``inner="frugal"``, FRUGAL's families
+composed as a FRUGAL over the block would compose them: the chosen projection on
+its matrices, AdamW on the rest, with subspaces drawn from a generator of the block's
+own. Checks, atomic steps and loads, the non-finite policy, step counts, state
+dicts (DCP's global form included) and ``state_bytes`` are the engine's.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections import defaultdict
@@ -11,25 +22,29 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from frugal_kernels import ops
-from frugal_kernels._layout import on_device
-from frugal_kernels.optim import plan, sharding
-from frugal_kernels.optim.base import (_check_new_params, _check_sharded_gradient,
-                                       _refuse_gradient, check_adamw_options, check_int,
-                                       check_nonfinite, first_nonfinite, skip_flag)
-from frugal_kernels.optim.frugal import FRUGAL
+from frugal_kernels.optim import plan
+from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check_int
+from frugal_kernels.optim.frugal import FRUGAL, _check_group as _check_frugal_group
+from frugal_kernels.optim.frugal import _saved_extra as _saved_frugal_extra
+from frugal_kernels.optim.frugal import _copy_record, _saved_subspaces
 from frugal_kernels.optim.governed import suggested_factor
 from frugal_kernels.optim.memory import release_freed_memory
+from frugal_kernels.optim.plan import Assignment
+from frugal_kernels.optim.projections import (DENSE, DENSE_MASTER, FAMILIES, Projection,
+                                              Subspace)
+from frugal_kernels.optim.sharding import ShardLayout
 
 __all__ = ["BAdam", "SWITCH_MODES", "INNER_OPTIMIZERS"]
 
 SWITCH_MODES = ("random", "ascending", "descending", "fixed")
-# What trains the active block: the fused AdamW, or a FRUGAL optimizer over the block.
+# What trains the active block: AdamW, or FRUGAL over the block.
 INNER_OPTIMIZERS = ("adamw", "frugal")
-# FRUGAL's options that inner="frugal" forwards (its lr, betas, eps and weight decay are
-# the block's; its seed is derived from BAdam's).
-_FRUGAL_OPTIONS = ("density", "update_gap", "projection", "state_free", "state_free_lr_scale",
-                   "reset_state", "block_order")
+# FRUGAL's options that inner="frugal" takes, with FRUGAL's defaults (its lr, betas,
+# eps and weight decay are the block's; its seed is derived from BAdam's). All but
+# update_gap are options of every block's param group, as they are of FRUGAL's groups.
+_FRUGAL_DEFAULTS = {name: inspect.signature(FRUGAL.__init__).parameters[name].default
+                    for name in ("density", "update_gap", "projection", "state_free",
+                                 "state_free_lr_scale", "reset_state", "block_order")}
 
 # A transformer layer is the prefix up to its index: "model.layers.3" (HF Llama and
 # frugal_kernels.model), "transformer.h.3" (GPT-2). The index must be followed by a dot,
@@ -38,37 +53,62 @@ _LAYER = re.compile(r"^((?:.*\.)?(?:layers|h)\.\d+)\.")
 _EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|wte|wpe|embeddings?)\.")
 _HEAD = re.compile(r"(?:^|\.)lm_head\.")
 
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
-
-# Format of the "badam" entry of the state dict. 2: in the first param group, its
-# history written as lists of [key, value] pairs (torch.distributed.checkpoint's
-# get_optimizer_state_dict keeps "state" and "param_groups" only, and keeps a list of
-# dicts only as far as the template it loads into has entries); 1: a top-level entry.
-# 3: as 2, with inner="frugal"'s per-tensor state in "state" (see _INNER).
-_FORMAT = 3
-# inner="frugal": the inner FRUGAL's state of a parameter is saved in this optimizer's
-# entry of that parameter, its keys prefixed (no dots: DCP's keys are "<fqn>.<entry>").
-# torch.distributed.checkpoint keys "state" by the model's parameter names and loads a
-# nested state only as far as a fresh optimizer's has entries, and a fresh inner
-# FRUGAL's are empty.
+# Format of the "badam" entry of the state dict, in the first param group (where
+# torch.distributed.checkpoint's get_optimizer_state_dict carries it), its history
+# written as lists of [key, value] pairs. 4: the engine's per-tensor state (each with
+# its "step"); inner="frugal"'s schedule as the inner_* entries. Older formats load:
+# 3 kept one count of the block's applied updates ("block_updates") and a nested
+# FRUGAL's state dict ("inner_state", its per-tensor state in ours with keys prefixed
+# "inner_"); 2 that state inside "inner_state"; 1 the entry beside "state".
+_FORMAT = 4
 _INNER = "inner_"
 
 BlockSpec = Union[Dict[str, Sequence[str]], Sequence[Sequence[str]]]
 
 
-class BAdam(torch.optim.Optimizer):
+class _Composed(Projection):
+    """inner="frugal"'s family over a block: FRUGAL's family ``matrices`` on its tensors
+    of 2 dims or more, AdamW (:data:`DENSE`) on the rest, as a FRUGAL over the block
+    with its matrices in a projected group would hold them (for state-dict checks and
+    the global form; choosing and assigning are BAdam's, which knows the matrices)."""
+
+    def __init__(self, matrices: Projection):
+        self.matrices = matrices
+        self.state_keys = matrices.state_keys
+
+    def _of(self, p: Tensor) -> Projection:
+        return self.matrices if p.dim() >= 2 else DENSE
+
+    def fits(self, saved: dict, p: Tensor) -> bool:
+        return self._of(p).fits(saved, p)
+
+    def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
+        return self._of(p).check_saved(saved, p)
+
+    def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:
+        return self._of(p).global_state(st, p, layout)
+
+    def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
+                    device: torch.device) -> dict:
+        return self._of(p).local_state(saved, p, layout, device)
+
+
+_COMPOSED = {name: _Composed(family) for name, family in FAMILIES.items()}
+
+
+class BAdam(FusedOptimizer):
     """Train one block of parameters at a time with AdamW (BAdam, NeurIPS 2024).
 
     The parameters are split into blocks; only the active block trains, for
     ``switch_every`` steps, then the next block takes over. Inactive blocks have
     ``requires_grad=False``, ``grad=None`` and no state, so backward computes no
     weight gradient for them; parameters outside every block stay frozen. The active
-    block is stepped by the fused :func:`frugal_kernels.ops.adamw_` through the
-    engine's plan (:mod:`frugal_kernels.optim.plan`: one bucket per (dtype, device),
-    prepared once per block), with moments created at its first step and dropped (and
-    the freed memory handed back to the OS) at the switch, so ``state_bytes()``
-    counts the active block only. Each block starts its AdamW afresh: moments at
-    zero and bias correction from step 1, as a new ``torch.optim.AdamW`` would.
+    block is stepped by the engine's plan (one fused ``adamw_`` call per dtype and
+    device, prepared once per block), with moments created at its first step and
+    dropped (and the freed memory handed back to the OS) at the switch, so
+    ``state_bytes()`` counts the active block only. Each block starts its AdamW
+    afresh: moments at zero and bias correction from step 1, as a new
+    ``torch.optim.AdamW`` would.
 
     Args:
         model_or_named_parameters: an ``nn.Module`` or an iterable of
@@ -95,21 +135,21 @@ class BAdam(torch.optim.Optimizer):
         order: the block order of ``"fixed"``, as block names or indices (default:
             the order of the blocks); not allowed with the other modes.
         seed: seeds the generator of ``"random"`` (saved in the state dict).
-        backend: the backend of the fused op (``"auto"``, ``"cpu"``, ``"cuda"``,
+        backend: the backend of the fused ops (``"auto"``, ``"cpu"``, ``"cuda"``,
             ``"triton"``, ``"torch"``).
-        inner: what trains the active block: ``"adamw"`` (the fused AdamW) or
-            ``"frugal"``: a :class:`~frugal_kernels.FRUGAL` over the block, built at
-            each switch (its state is dropped with the block's), with the block's lr,
-            betas, eps and weight decay read at every step (LR schedulers work), its
-            matrices (2-D and larger) in a projected group and the rest in an AdamW
-            group, and the FRUGAL options given as keywords (``density``,
-            ``projection``, ``update_gap``, ``state_free``, ``state_free_lr_scale``,
-            ``reset_state``, ``block_order``). Its parameters are updated in their own
-            dtype (FRUGAL keeps no master copy); it takes BAdam's ``nonfinite``.
+        inner: what trains the active block: ``"adamw"`` or ``"frugal"``: FRUGAL over
+            the block, started afresh at each switch (its state is dropped with the
+            block's), its matrices (2-D and larger) projected and the rest on AdamW,
+            with the block's lr, betas, eps and weight decay and the FRUGAL options
+            given as keywords (``density``, ``projection``, ``update_gap``,
+            ``state_free``, ``state_free_lr_scale``, ``reset_state``,
+            ``block_order``; all but ``update_gap`` are options of every block's
+            param group). Its parameters are updated in their own dtype (FRUGAL
+            keeps no master copy).
         nonfinite: what a step does when a gradient of the active block holds a NaN
             or an infinity: ``"skip"`` (default; decided on the device, no host
             sync), ``"raise"`` (one host sync per step) or ``"propagate"``, as for
-            :class:`frugal_kernels.FRUGAL` (see :meth:`step`).
+            :class:`frugal_kernels.FRUGAL` (see :meth:`FusedOptimizer.step`).
 
     bf16 / fp16 parameters get an fp32 master copy for the active block only
     (``state["master"]``, 4 bytes per active parameter beside the 8 of the moments,
@@ -117,8 +157,8 @@ class BAdam(torch.optim.Optimizer):
     it and is rounded back into the parameter after every step.
 
     DTensor parameters (FSDP2's ``fully_shard``) are stepped through their local
-    blocks, with state for the local rows only; ``state_dict()`` gives that state as
-    DTensors of the parameters' shape (see :meth:`state_dict`).
+    blocks, with state for the local rows only; ``state_dict()`` gives that state in
+    its global form, as the engine does.
 
     ``opt.active_block`` is the active block's name (``opt.active_block_index`` its
     index in ``opt.block_names``); ``opt.history`` lists the switches (step, block,
@@ -129,8 +169,6 @@ class BAdam(torch.optim.Optimizer):
 
         opt = frugal_kernels.BAdam(model, lr=1e-5, switch_every=100)
     """
-
-    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -153,15 +191,15 @@ class BAdam(torch.optim.Optimizer):
     ):
         # Everything is checked before any parameter is touched, as FRUGAL checks it.
         _check_switch_every(switch_every)
-        check_nonfinite(nonfinite)
-        if backend != "auto" and backend not in ops.BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
-                             f"got {backend!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        _check_inner(inner, frugal_options)
+        self.inner = inner
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        check_adamw_options(defaults, "defaults", read_device=True)
-        _check_inner(inner, frugal_options, lr, betas, eps, weight_decay, backend)
+        if inner == "frugal":
+            options = {**_FRUGAL_DEFAULTS, **frugal_options}
+            check_int(options["update_gap"], "update_gap")
+            self._update_gap = options.pop("update_gap")
+            defaults.update(options)
+        self._check_group(defaults, "defaults", read_device=True)
         if switch_mode not in SWITCH_MODES:
             raise ValueError(f"switch_mode must be one of {', '.join(SWITCH_MODES)}; "
                              f"got {switch_mode!r}")
@@ -176,41 +214,30 @@ class BAdam(torch.optim.Optimizer):
 
         self.block_names: List[str] = names
         self.switch_mode = switch_mode
-        self.backend = backend
-        self.nonfinite = nonfinite
-        self.seed = seed
-        self._generator = torch.Generator().manual_seed(seed)
         self._fixed_order = fixed
         self._switch_every = switch_every
         self._steps_taken = 0
         self._block_steps = 0  # step() calls since the switch: the schedule's count
-        # Updates applied to the active block (inner="adamw"): its bias-correction step,
-        # a float32 tensor on the block's device, where a skipped step's flag is
-        # subtracted from it without a host sync (None until the block's first update).
-        self._block_updates: Optional[Tensor] = None
         self._epoch: List[int] = []  # block order of the current pass over the blocks
         self._cursor = 0  # position of the active block in _epoch
         self.history: List[dict] = []
-        self.inner = inner
-        self._frugal_options = dict(frugal_options)
-        self._inner: Optional[FRUGAL] = None  # inner="frugal": the active block's optimizer
-        # inner="adamw": the plan of the active block, for its tensors with gradients
-        # (those tensors, the buckets), and a bucket per tensor for steps in backward.
-        self._block_buckets: Tuple[List[Tensor], List[plan.Bucket]] = ([], [])
-        self._tensor_buckets: Dict[Tensor, plan.Bucket] = {}
-        # A float lr (what LR schedulers set) is copied into this tensor at each step.
-        self._lr = torch.tensor(0.0, dtype=torch.float64)
-        # The DTensor parameters' layouts (FSDP2): where each rank's rows lie.
-        self._layouts = {p: layout for n, ps in zip(names, block_params) for i, p in
-                         enumerate(ps)
-                         if (layout := sharding.layout_of(p, f"block {n!r} params[{i}]"))}
+        # inner="frugal": the active block's matrices (FRUGAL's projected group, by
+        # their index in it) and its schedule of subspaces, as a FRUGAL over the block
+        # would keep it: its steps, the step of its last change, its generator and the
+        # family's record.
+        self._matrices: List[Tensor] = []
+        self._matrix_index: Dict[Tensor, int] = {}
+        self._inner_steps = 0
+        self._inner_last_change: Optional[int] = None
+        self._inner_generator: Optional[torch.Generator] = None
+        self._inner_record: dict = {}
         # The parameters the user froze: never trained, whichever block is active. A
         # parameter that a BAdam froze (an earlier one over the same model) is not one.
         self._frozen = {(gi, i) for gi, ps in enumerate(block_params)
                         for i, p in enumerate(ps)
                         if not p.requires_grad and p not in _FROZEN_BY_BADAM}
         super().__init__([{"params": ps, "block": n} for n, ps in zip(names, block_params)],
-                         defaults)
+                         defaults, backend, nonfinite, seed)
 
         in_blocks = {id(p) for ps in block_params for p in ps}
         for _, p in named:
@@ -219,6 +246,8 @@ class BAdam(torch.optim.Optimizer):
         for ps in block_params:
             for p in ps:
                 _deactivate(p)
+        # The active block's entries only (the engine gave every parameter one).
+        self.state = defaultdict(dict)
         self._epoch = self._new_epoch()
         self._activate(self._epoch[0])
         self.history.append({"step": 0, "block": self.active_block, "reason": "initial"})
@@ -245,12 +274,6 @@ class BAdam(torch.optim.Optimizer):
         _check_switch_every(value)
         self._switch_every = value
 
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state allocated right now (the active block's only)."""
-        own = sum(v.untyped_storage().nbytes() for st in self.state.values()
-                  for v in st.values() if isinstance(v, Tensor))
-        return own + (self._inner.state_bytes() if self._inner is not None else 0)
-
     def apply_governor(self, decision: Any) -> None:
         """Take a :class:`frugal_kernels.Governor` reallocation: multiply
         ``switch_every`` by ``decision.suggestion["switch_every_factor"]``, or, when
@@ -267,226 +290,96 @@ class BAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         if len(self.param_groups) == len(self.block_names):
             raise ValueError("BAdam's param groups are its blocks, fixed at construction")
-        gi = len(self.param_groups)
-        _check_new_params(param_group["params"], gi,
-                          [(gj, i, p) for gj, g in enumerate(self.param_groups)
-                           for i, p in enumerate(g["params"])])
-        check_adamw_options({**self.defaults, **param_group}, f"block {param_group['block']!r}",
-                            read_device=True)
         super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
-        """Update the active block, then switch blocks when its ``switch_every``
-        steps are done (before the next forward, so that backward already skips the
-        block that stopped). ``closure`` re-evaluates the model and returns the loss.
-
-        A non-finite gradient in the active block follows ``nonfinite``: under
-        ``"skip"`` one fused read of the block's gradients sets a flag on the
-        device that the fused op takes as ``found_inf``, so the block's params,
-        moments and bias-correction count stay bit-identical without a host sync.
-        Driven by a GradScaler, its ``found_inf`` is that flag and its
-        ``grad_scale`` is divided out of the gradients by the fused op as it reads
-        them (they stay scaled). The host never learns whether a step was skipped:
-        the schedule (``switch_every``, the block order) counts calls of ``step()``,
-        and a switch due at a skipped step happens (docs/optimizers.md, "Skipped
-        steps and schedules").
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        group = self.param_groups[self.active_block_index]
-        grad_scale = getattr(self, "grad_scale", None)
-        # Checks first, counts and writes after: a step that raises changes nothing.
-        self._check_options()
-        for i, p in enumerate(group["params"]):
-            if p.grad is not None:
-                self._check_gradient(self.active_block_index, i, p)
-        if self._inner is not None:
-            # Counted once the inner step is through: one that raises changes nothing.
-            self._step_inner(group, grad_scale, getattr(self, "found_inf", None))
-            self._count_step()
-        else:
-            params = [p for p in group["params"] if p.grad is not None]
-            gi = self.active_block_index
-            # Before anything is counted: under nonfinite="raise" this may raise.
-            found_inf = skip_flag(
-                getattr(self, "found_inf", None), self.nonfinite,
-                [(gi, i, p) for i, p in enumerate(group["params"]) if p.grad is not None],
-                sharding.process_groups(self._layouts.values()) if self._layouts else [])
-            self._count_step()
-            if params:
-                self._count_update(params[0].device)
-                self._update(group, params, grad_scale, found_inf)
-                if found_inf is not None:
-                    # Queued after the update: a skipped step takes its count back.
-                    counts = self._block_updates
-                    counts.sub_(found_inf.to(counts.device).reshape(()))
+        """The engine's step (:meth:`FusedOptimizer.step`) of the active block, then the
+        switch to the next block when its ``switch_every`` steps are done (before the
+        next forward, so that backward already skips the block that stopped). The
+        schedule counts calls of ``step()``: a switch due at a skipped step happens
+        (docs/optimizers.md, "Skipped steps and schedules"); a step that raises counts
+        nothing."""
+        loss = super().step(closure)
         self._switch_if_due()
         return loss
 
-    def _check_options(self) -> None:
-        """Every block's options, at every step (a user or an LR scheduler may have
-        changed them), as FRUGAL checks its groups'."""
-        for group in self.param_groups:
-            check_adamw_options(group, f"block {group['block']!r}")
+    # ------------------------------------------------------------- engine hooks
 
-    def _check_gradient(self, gi: int, i: int, p: Tensor) -> None:
-        """Raise unless ``p`` can take a step with its gradient (the engine's check)."""
-        g = p.grad
-        if g.layout is not torch.strided or g.dtype is not p.dtype or not p.is_contiguous():
-            _refuse_gradient(gi, i, p)
-        if p in self._layouts:
-            _check_sharded_gradient(gi, i, p)
+    def _group_steps(self, gi: int) -> bool:
+        return gi == self._epoch[self._cursor]
 
-    def _count_step(self) -> None:
+    def _check_group(self, group: dict, where: str, read_device: bool = False) -> None:
+        if self.inner == "frugal":
+            _check_frugal_group(group, where, read_device)
+        else:
+            check_adamw_options(group, where, read_device)
+
+    def _family(self, group: dict) -> Projection:
+        return _COMPOSED[group["projection"]] if self.inner == "frugal" else DENSE_MASTER
+
+    def _before_plan(self) -> None:
         self._steps_taken += 1
         self._block_steps += 1
+        if self.inner != "frugal":
+            return
+        self._inner_steps += 1
+        if self._inner_change_due(self._inner_steps):
+            self._inner_last_change = self._inner_steps
+            if self._matrices:
+                self._family(self.param_groups[self.active_block_index]).matrices.choose(
+                    self._inner_subspace())
+            self._plan = None
 
-    def _count_update(self, device: torch.device) -> None:
-        """Count an update of the active block (the count after it, as the fused op's
-        ``step`` takes it), on ``device`` when the count is new."""
-        if self._block_updates is None:
-            self._block_updates = torch.zeros((), dtype=torch.float32, device=device)
-        self._block_updates.add_(1.0)
+    def _inner_change_due(self, step: int) -> bool:
+        return self._inner_last_change is None or \
+            step - self._inner_last_change >= self._update_gap
+
+    def _state_may_change(self) -> bool:
+        return self.inner == "frugal" and self._inner_change_due(self._inner_steps + 1)
+
+    def _after_plan(self) -> None:
+        if self.inner == "frugal" and self._inner_last_change == self._inner_steps:
+            # The state the new subspaces dropped is free now: hand it back to the OS.
+            release_freed_memory()
+
+    def _bookkeeping(self) -> dict:
+        return {"counts": (self._steps_taken, self._block_steps, self._inner_steps,
+                           self._inner_last_change),
+                "record": _copy_record(self._inner_record),
+                "inner_generator": None if self._inner_generator is None
+                else self._inner_generator.get_state()}
+
+    def _restore_bookkeeping(self, saved: dict) -> None:
+        (self._steps_taken, self._block_steps, self._inner_steps,
+         self._inner_last_change) = saved["counts"]
+        self._inner_record = saved["record"]
+        if saved["inner_generator"] is not None:
+            self._inner_generator.set_state(saved["inner_generator"])
+
+    def _inner_subspace(self) -> Subspace:
+        """What FRUGAL's family reads and writes about the active block's matrices."""
+        group = self.param_groups[self.active_block_index]
+        return Subspace({**group, "params": self._matrices}, self.state, self._inner_generator,
+                        float(group["density"]), self._inner_record, self._layouts,
+                        arriving=self._grads_arriving)
+
+    def _assign(self, gi: int, group: dict, i: int, p: Tensor) -> Assignment:
+        j = self._matrix_index.get(p)
+        if j is not None:
+            return self._family(group).matrices.assign(self._inner_subspace(), j, p)
+        sub = Subspace(group, self.state, self._generator, 1.0, {}, self._layouts)
+        return (DENSE if self.inner == "frugal" else DENSE_MASTER).assign(sub, i, p)
+
+    def _end_tensor_steps(self) -> None:
+        super()._end_tensor_steps()
+        self._switch_if_due()
+
+    # ---------------------------------------------------------------- schedule
 
     def _switch_if_due(self) -> None:
         if self._block_steps >= self._switch_every:
             self._switch("switch_every")
-
-    # ------------------------------------------------------- steps in backward
-    # What frugal_kernels.step_in_backward drives (see FusedOptimizer's): the active
-    # block's tensors are updated one at a time, each as its gradient completes, with
-    # the pieces of step(); the switch comes once backward is done.
-
-    def _tensor_steps_refused(self) -> Optional[str]:
-        # Under nonfinite="skip" the step in backward skips each tensor with a
-        # non-finite gradient (frugal_kernels.optim.in_backward).
-        return None
-
-    def _begin_tensor_steps(self) -> None:
-        self._check_options()
-        self._count_step()
-        if self._inner is None:
-            params = self.param_groups[self.active_block_index]["params"]
-            self._count_update(params[0].device)
-        else:
-            self._sync_inner(self.param_groups[self.active_block_index])
-            self._inner._begin_tensor_steps()
-
-    def _step_tensor(self, p: Tensor) -> None:
-        group = self.param_groups[self.active_block_index]
-        i = next((i for i, q in enumerate(group["params"]) if q is p), None)
-        if i is None:
-            return  # outside the active block: step() leaves it alone too
-        self._check_gradient(self.active_block_index, i, p)
-        if self._inner is not None:
-            self._inner._step_tensor(p)
-            return
-        if self.nonfinite == "raise":
-            if first_nonfinite([(self.active_block_index, i, p)]) is not None:
-                raise ValueError(
-                    f"params[{i}] of block {group['block']!r} (shape {tuple(p.shape)}) has a "
-                    "non-finite gradient (NaN or inf); its update was not applied "
-                    "(nonfinite='raise'); the tensors stepped before it in this backward "
-                    "keep theirs")
-        self._update(group, [p], None, None)
-
-    def _end_tensor_steps(self) -> None:
-        if self._inner is not None:
-            self._inner._end_tensor_steps()
-        self._switch_if_due()
-
-    # ------------------------------------------------------------------ update
-
-    def _update(self, group: dict, params: List[Tensor], grad_scale: Optional[Tensor],
-                found_inf: Optional[Tensor]) -> None:
-        """The active block's ``params`` take AdamW through the engine's plan: one bucket
-        per (dtype, device), fp32 params on the ``adamw`` rule, bf16 / fp16 ones on
-        ``adamw_master``, all with the block's count of applied updates."""
-        if len(params) == 1:
-            bucket = self._tensor_buckets.get(params[0])
-            if bucket is None:
-                bucket = self._tensor_buckets[params[0]] = self._buckets(group, params)[0]
-            buckets = [bucket]
-        else:
-            kept, buckets = self._block_buckets
-            if len(kept) != len(params) or any(a is not b for a, b in zip(kept, params)):
-                buckets = self._buckets(group, params)
-                self._block_buckets = (params, buckets)
-        if isinstance(group["lr"], Tensor):
-            lr = group["lr"]
-        else:
-            lr = self._lr.fill_(group["lr"])
-        for bucket in buckets:
-            device = bucket.params[0].device
-            bucket.lr = lr
-            bucket.step = on_device(self._block_updates, device)
-            # A DTensor is stepped through its local block (a view of its storage).
-            plan.run(bucket, [sharding.local(p.grad) for p in bucket.params], self.backend,
-                     grad_scale, on_device(found_inf, device))
-
-    def _buckets(self, group: dict, params: List[Tensor]) -> List[plan.Bucket]:
-        by_kind: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = defaultdict(list)
-        for p in params:
-            by_kind[(p.dtype, p.device)].append(p)
-        return [plan.Bucket(plan.ADAMW if dtype == torch.float32 else plan.ADAMW_MASTER,
-                            group, self._lr, ps, [self._layouts.get(p) for p in ps],
-                            states=[self._state_of(p) for p in ps])
-                for (dtype, _), ps in by_kind.items()]
-
-    def _drop_buckets(self) -> None:
-        """Let go of the buckets (and the prepared calls, which hold the moments) of a
-        block whose state is replaced: at a switch and a load."""
-        plan.release(self._block_buckets[1])
-        plan.release(list(self._tensor_buckets.values()))
-        self._block_buckets = ([], [])
-        self._tensor_buckets = {}
-
-    def _sync_inner(self, group: dict) -> None:
-        """The block's lr, betas, eps and weight decay, as they are now, into its FRUGAL."""
-        for inner_group in self._inner.param_groups:
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                inner_group[key] = group[key]
-
-    def _step_inner(self, group: dict, grad_scale: Optional[Tensor],
-                    found_inf: Optional[Tensor]) -> None:
-        self._sync_inner(group)
-        # GradScaler's tensors reach the inner FRUGAL's ops as a GradScaler's would;
-        # without them it checks the gradients itself (it has BAdam's nonfinite).
-        self._inner.grad_scale, self._inner.found_inf = grad_scale, found_inf
-        try:
-            self._inner.step()
-        finally:
-            del self._inner.grad_scale, self._inner.found_inf
-
-    def _make_inner(self, index: int, frozen: Optional[set] = None) -> FRUGAL:
-        """The FRUGAL of block ``index`` (without the parameters in ``frozen``, by default
-        those the user froze), seeded by BAdam's seed and the step it starts at."""
-        trained = self._trained(index, frozen)
-        group = self.param_groups[index]
-        matrices = [p for p in trained if p.dim() >= 2]
-        others = [p for p in trained if p.dim() < 2]
-        groups = ([{"params": matrices}] if matrices else []) + \
-                 ([{"params": others, "projected": False}] if others else [])
-        return FRUGAL(groups, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                      weight_decay=group["weight_decay"], backend=self.backend,
-                      nonfinite=self.nonfinite, seed=_inner_seed(self.seed, self._steps_taken),
-                      **self._frugal_options)
-
-    def _state_of(self, p: Tensor) -> dict:
-        st = self.state[p]
-        if not st:
-            block = sharding.local(p.detach())  # a DTensor's state is its local rows'
-            st["exp_avg"] = torch.zeros_like(block, dtype=torch.float32,
-                                             memory_format=torch.contiguous_format)
-            st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
-            if p.dtype != torch.float32:
-                st["master"] = block.float().contiguous()
-        return st
-
-    # ---------------------------------------------------------------- schedule
 
     def _new_epoch(self) -> List[int]:
         n = len(self.block_names)
@@ -501,19 +394,27 @@ class BAdam(torch.optim.Optimizer):
     def _switch(self, reason: str) -> None:
         for p in self.param_groups[self.active_block_index]["params"]:
             _deactivate(p)
-        self._drop_buckets()
-        self.state = defaultdict(dict)  # _activate gives the new block its entries
-        self._inner = None
-        release_freed_memory()
+        self._drop_state()
         self._cursor += 1
         if self._cursor == len(self._epoch):
             self._epoch = self._new_epoch()
             self._cursor = 0
         self._block_steps = 0
-        self._block_updates = None
         self._activate(self.active_block_index)
         self.history.append({"step": self._steps_taken, "block": self.active_block,
                              "reason": reason})
+
+    def _drop_state(self) -> None:
+        """Let go of the block's state and of the plans that hold it, and hand the freed
+        memory back to the OS (at a switch)."""
+        for stale in (self._plan, self._steps_plan):
+            if stale is not None:
+                plan.release(stale)
+        self._plan = self._steps_plan = None
+        self._steps = {}
+        self._tensor_buckets = {}
+        self.state = defaultdict(dict)  # _activate gives the new block its entries
+        release_freed_memory()
 
     def _trained(self, index: int, frozen: Optional[set] = None) -> List[Tensor]:
         """The parameters of block ``index`` that train when it is active: all but those
@@ -523,50 +424,34 @@ class BAdam(torch.optim.Optimizer):
                 if (index, i) not in frozen]
 
     def _activate(self, index: int) -> None:
-        for p in self._trained(index):
+        trained = self._trained(index)
+        for p in trained:
             _FROZEN_BY_BADAM.pop(p, None)
             p.requires_grad_(True)
             # An empty entry until the block's first step: torch.distributed.checkpoint's
             # get/set_optimizer_state_dict take a step with zero gradients on an
             # optimizer whose state is empty, which would count a step of the block.
             self.state[p]
+        self._matrices = [p for p in trained if p.dim() >= 2] if self.inner == "frugal" else []
+        self._matrix_index = {p: j for j, p in enumerate(self._matrices)}
         if self.inner == "frugal":
-            self._inner = self._make_inner(index)
+            # A FRUGAL of the block's own: a different stream for each block,
+            # reproducible from BAdam's seed and the step the block starts at.
+            self._inner_generator = torch.Generator().manual_seed(
+                _inner_seed(self.seed, self._steps_taken))
+            self._inner_steps, self._inner_last_change, self._inner_record = 0, None, {}
 
     # ------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
-        """torch's layout (``state`` holds tensors only: exp_avg, exp_avg_sq and, for
-        low-precision params, master) plus the ``"badam"`` entry of the first param
-        group: block names, the current epoch's order and position, step counts,
-        switch_every, the generator state and the history. Everything loads with
-        ``torch.load(weights_only=True)``.
-
-        With DTensor parameters the state tensors are DTensors of the parameter's
-        shape, split as it is (what ``torch.distributed.checkpoint`` reshards)."""
+        """The engine's state dict (:meth:`FusedOptimizer.state_dict`: the active
+        block's per-tensor state, in its global form under FSDP2) plus the ``"badam"``
+        entry of the first param group: block names, the current epoch's order and
+        position, step counts, switch_every, the generator state, the history, the
+        parameters the user froze and, for ``inner="frugal"``, the block's schedule of
+        subspaces. Everything loads with ``torch.load(weights_only=True)``."""
         sd = super().state_dict()
-        if self._layouts:
-            params = [p for g in self.param_groups for p in g["params"]]
-            for pid, p in enumerate(params):
-                layout = self._layouts.get(p)
-                if layout is not None and sd["state"].get(pid):
-                    sd["state"][pid] = {k: layout.to_dtensor(v, p.shape)
-                                        for k, v in sd["state"][pid].items()}
-        inner_state = None
-        if self._inner is not None:
-            # In its global form on DTensors already (a collective).
-            inner_state = self._inner.state_dict()
-            ids = {id(p): pid for g, saved in zip(self.param_groups, sd["param_groups"])
-                   for p, pid in zip(g["params"], saved["params"])}
-            for p, inner_pid in _inner_pairs(self._inner, inner_state):
-                entries = {_INNER + k: v
-                           for k, v in inner_state["state"].get(inner_pid, {}).items()}
-                if entries:
-                    # A new dict: torch's state_dict hands out this optimizer's own.
-                    pid = ids[id(p)]
-                    sd["state"][pid] = {**sd["state"].get(pid, {}), **entries}
-            inner_state = {**inner_state, "state": {}}
-        sd["param_groups"][0]["badam"] = {
+        extra = {
             "version": _FORMAT,
             "block_names": list(self.block_names),
             "switch_mode": self.switch_mode,
@@ -574,16 +459,20 @@ class BAdam(torch.optim.Optimizer):
             "cursor": self._cursor,
             "steps_taken": self._steps_taken,
             "block_steps": self._block_steps,
-            # A host read of the count (a sync, at a checkpoint only).
-            "block_updates": 0.0 if self._block_updates is None else float(self._block_updates),
             "switch_every": self._switch_every,
             "generator": self._generator.get_state(),
             "history": [[[k, v] for k, v in h.items()] for h in self.history],
             "inner": self.inner,
-            "inner_state": inner_state,
             # The parameters the user froze, as [block index, index in the block] pairs.
             "frozen": [list(f) for f in sorted(self._frozen)],
         }
+        if self.inner == "frugal":
+            extra.update(inner_steps=self._inner_steps,
+                         inner_last_change=self._inner_last_change,
+                         inner_generator=self._inner_generator.get_state(),
+                         inner_record=[[k, v] for k, v in
+                                       _copy_record(self._inner_record).items()])
+        sd["param_groups"][0]["badam"] = extra
         return sd
 
     def _expect_saved_state(self, params: List[Tensor]) -> None:
@@ -595,21 +484,23 @@ class BAdam(torch.optim.Optimizer):
             p.requires_grad_(True)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Resume exactly from :meth:`state_dict` (the model's parameters are the
-        caller's to restore), or raise a ValueError that says why the checkpoint does
-        not fit this optimizer; nothing is changed then.
+        """Resume exactly from :meth:`state_dict`, of this format or an older one (the
+        model's parameters are the caller's to restore), or raise a ValueError that says
+        why the checkpoint does not fit this optimizer; nothing is changed then.
 
-        With DTensor parameters the state is taken as DTensors of any split (or plain
-        tensors holding the whole); this rank keeps its rows."""
+        With DTensor parameters the state is taken in its global form (DTensors of any
+        split, or plain tensors holding the whole); this rank keeps its rows."""
+        extra = self._checked_extra(state_dict)
+        super().load_state_dict(self._upgraded(state_dict, extra))
+
+    def _checked_extra(self, state_dict: dict) -> dict:
+        """The "badam" entry of ``state_dict``, of any format, as format 4 holds it (the
+        history as dicts, inner="frugal"'s schedule as ``inner_*`` entries, the record a
+        dict), or a ValueError unless it can resume this optimizer's schedule."""
         extra = _saved_extra(state_dict)
-        # The inner FRUGAL's entries (format 3) apart from this optimizer's own.
-        own_state, inner_entries = {}, {}
-        for pid, st in state_dict["state"].items():
-            own_state[pid] = {k: v for k, v in st.items() if not k.startswith(_INNER)}
-            inner = {k[len(_INNER):]: v for k, v in st.items() if k.startswith(_INNER)}
-            if inner:
-                inner_entries[pid] = inner
-        state_dict = {**state_dict, "state": own_state}
+        if extra.get("inner", "adamw") != self.inner:
+            raise ValueError(f"the state dict was saved with inner={extra.get('inner', 'adamw')!r}"
+                             f", this optimizer uses inner={self.inner!r}")
         n = len(self.block_names)
         if list(extra["block_names"]) != self.block_names:
             raise ValueError(f"the state dict's blocks {list(extra['block_names'])} are not "
@@ -619,21 +510,12 @@ class BAdam(torch.optim.Optimizer):
                              f"{extra['switch_mode']!r}, this optimizer uses "
                              f"{self.switch_mode!r}")
         _check_extra(extra, n)
-        frozen = ({(int(gi), int(i)) for gi, i in extra["frozen"]} if "frozen" in extra
-                  else self._frozen)
-        epoch = [int(i) for i in extra["epoch"]]
-        cursor = int(extra["cursor"])
+        epoch, cursor = [int(i) for i in extra["epoch"]], int(extra["cursor"])
         blocks_of_epoch = list(range(n)) if self._fixed_order is None else self._fixed_order
         if sorted(epoch) != sorted(blocks_of_epoch) or not 0 <= cursor < len(epoch):
             raise ValueError(f"the state dict's block order {epoch} (position {cursor}) is not "
                              f"an order of this optimizer's blocks {sorted(blocks_of_epoch)}")
         _check_switch_every(extra["switch_every"])
-        # Saved before block_updates existed: every step of the block was applied.
-        updates = extra.get("block_updates", extra["block_steps"])
-        if isinstance(updates, bool) or not isinstance(updates, (int, float)) or \
-                not (math.isfinite(updates) and 0 <= updates <= extra["block_steps"]):
-            raise ValueError(f"the state dict's block_updates {updates!r} is not a count of "
-                             f"at most block_steps ({extra['block_steps']!r})")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != n:
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, this "
@@ -642,89 +524,176 @@ class BAdam(torch.optim.Optimizer):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"block {group['block']!r} has {len(group['params'])} params "
                                  f"but the state dict's has {len(saved['params'])}")
-        active = epoch[cursor]
-        saved_state = state_dict["state"]
-        pairs = [(pid, p) for saved, group in zip(saved_groups, self.param_groups)
-                 for pid, p in zip(saved["params"], group["params"])]
-        active_ids = set(saved_groups[active]["params"])
-        for pid, p in pairs:
-            if (saved_state.get(pid) or pid in inner_entries) and pid not in active_ids:
-                raise ValueError(f"the state dict holds state for param {pid}, which is "
-                                 "not in the active block")
-            if saved_state.get(pid):  # an empty entry is no state
-                _check_saved_state(saved_state[pid], p, pid)
-        generator = torch.Generator()
-        generator.set_state(extra["generator"])
-        if extra.get("inner", "adamw") != self.inner:
-            saved_inner = extra.get("inner", "adamw")
-            raise ValueError(f"the state dict was saved with inner={saved_inner!r}, this "
-                             f"optimizer uses inner={self.inner!r}")
-        inner = None
+        if extra.get("version", 1) < 4:
+            # One count of the block's applied updates: saved before it existed, every
+            # step of the block was applied.
+            updates = extra.get("block_updates", extra["block_steps"])
+            if isinstance(updates, bool) or not isinstance(updates, (int, float)) or \
+                    not (math.isfinite(updates) and 0 <= updates <= extra["block_steps"]):
+                raise ValueError(f"the state dict's block_updates {updates!r} is not a count "
+                                 f"of at most block_steps ({extra['block_steps']!r})")
         if self.inner == "frugal":
-            # Built and loaded before anything of this optimizer changes: its
-            # load_state_dict raises on a state that does not fit the block.
-            inner = self._make_inner(active, frozen)
-            saved_inner = extra["inner_state"]
-            # Format 2 kept the inner state in saved_inner["state"]; format 3 in ours.
-            merged = dict(saved_inner.get("state", {}))
-            block_ids = {id(p): pid for p, pid in zip(self.param_groups[active]["params"],
-                                                     saved_groups[active]["params"])}
-            for p, inner_pid in _inner_pairs(inner, saved_inner):
-                if block_ids[id(p)] in inner_entries:
-                    merged[inner_pid] = inner_entries[block_ids[id(p)]]
-            inner.load_state_dict({**saved_inner, "state": merged})
-        elif inner_entries:
-            raise ValueError("the state dict holds an inner FRUGAL's state, but this "
-                             "optimizer uses inner='adamw'")
+            extra = {**extra, **self._saved_inner_schedule(extra)}
+        return extra
 
-        loaded = {}
-        for pid, p in pairs:
-            if saved_state.get(pid):  # an empty entry is no state
-                layout = self._layouts.get(p)
-                loaded[p] = {k: v.to(p.device, copy=True) if layout is None
-                             else layout.block_of(v, p.device)
-                             for k, v in saved_state[pid].items()}
+    def _saved_inner_schedule(self, extra: dict) -> dict:
+        """inner="frugal"'s schedule of a saved "badam" entry (format 4's inner_*
+        entries, or the nested FRUGAL's state dict of older formats), checked."""
+        active = int(extra["epoch"][int(extra["cursor"])])
+        num_matrices = sum(p.dim() >= 2 for p in
+                           self._trained(active, _saved_frozen(extra, self._frozen)))
+        if extra.get("version", 1) < 4:
+            inner = extra.get("inner_state")
+            if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+                raise ValueError("the state dict's 'badam' entry lacks inner_state, the "
+                                 "inner FRUGAL's state dict")
+            saved = _saved_frugal_extra(inner)
+            missing = [k for k in ("steps_taken", "last_change", "generator") if k not in saved]
+            if missing:
+                raise ValueError(f"the state dict's inner FRUGAL lacks {', '.join(missing)}")
+            records = {int(gi): record for gi, record in _saved_subspaces(saved).items()}
+            # Its first group holds the block's matrices, when it has some.
+            schedule = {"inner_steps": saved["steps_taken"],
+                        "inner_last_change": saved["last_change"],
+                        "inner_generator": saved["generator"],
+                        "inner_record": dict(records.get(0, {})) if num_matrices else {}}
+        else:
+            missing = [k for k in ("inner_steps", "inner_last_change", "inner_generator",
+                                   "inner_record") if k not in extra]
+            if missing:
+                raise ValueError(f"the state dict's 'badam' entry lacks {', '.join(missing)}")
+            record = extra["inner_record"]
+            if not isinstance(record, (list, tuple)) or not all(
+                    isinstance(kv, (list, tuple)) and len(kv) == 2 for kv in record):
+                raise ValueError("the state dict's inner_record is not a list of [key, value] "
+                                 "pairs")
+            schedule = {k: extra[k] for k in ("inner_steps", "inner_last_change",
+                                              "inner_generator")}
+            schedule["inner_record"] = {k: v for k, v in record}
+        try:
+            check_int(schedule["inner_steps"], "inner_steps", 0)
+            if schedule["inner_last_change"] is not None:
+                check_int(schedule["inner_last_change"], "inner_last_change", 1)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the state dict's inner FRUGAL schedule: {e}") from None
+        try:
+            torch.Generator().set_state(schedule["inner_generator"])
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"the state dict's inner generator state cannot be restored: "
+                             f"{e}") from None
+        chosen = schedule["inner_record"].get("active", [])
+        if not isinstance(chosen, (list, tuple)) or list(chosen) != sorted(set(chosen)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_matrices
+                for i in chosen):
+            raise ValueError(f"the state dict's inner record: the active blocks {chosen!r} "
+                             f"are not sorted unique ids of the block's {num_matrices} "
+                             "matrices")
+        return schedule
 
-        # torch's loader would cast the fp32 moments and master copies to the
-        # parameters' dtype: load the groups through it and the state here.
-        super().load_state_dict({"state": {}, "param_groups": [
-            {k: v for k, v in g.items() if k != "badam"} for g in saved_groups]})
-        self._drop_buckets()
-        self.state = defaultdict(dict, loaded)
-        self._frozen = frozen
-        for p in self._trained(active):
-            self.state[p]  # the active block's entries (see _activate)
-        self._epoch, self._cursor = epoch, cursor
+    def _upgraded(self, state_dict: dict, extra: dict) -> dict:
+        """``state_dict`` as format 4 holds it (checked "badam" entry ``extra``), for the
+        engine's load: every group with the options a group of this optimizer has (older
+        formats lack inner="frugal"'s), the per-tensor state with its step counts."""
+        saved_groups = state_dict["param_groups"]
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, **saved}
+                  for group, saved in zip(self.param_groups, saved_groups)]
+        groups[0] = {**groups[0], "badam": extra}
+        state = state_dict["state"]
+        if extra.get("version", 1) < 4:
+            state = self._upgraded_state(state_dict, extra)
+        return {"state": state, "param_groups": groups}
+
+    def _upgraded_state(self, state_dict: dict, extra: dict) -> dict:
+        """The per-tensor state of a state dict of format 3 or older as format 4 holds it."""
+        if self.inner == "adamw":
+            step = torch.tensor(float(extra.get("block_updates", extra["block_steps"])))
+            return {pid: {**st, "step": step} if "exp_avg" in st else dict(st)
+                    for pid, st in state_dict["state"].items()}
+        # The nested FRUGAL's state: in ours with prefixed keys (format 3) or in its own
+        # state dict (format 2), its parameters being the active block's trained ones,
+        # matrices first.
+        inner = extra["inner_state"]
+        state = {pid: {k: v for k, v in st.items() if not k.startswith(_INNER)}
+                 for pid, st in state_dict["state"].items()}
+        active = int(extra["epoch"][int(extra["cursor"])])
+        frozen = _saved_frozen(extra, self._frozen)
+        ids = state_dict["param_groups"][active]["params"]
+        trained = [(pid, p) for i, (pid, p) in
+                   enumerate(zip(ids, self.param_groups[active]["params"]))
+                   if (active, i) not in frozen]
+        order = [pid for pid, p in trained if p.dim() >= 2] + \
+                [pid for pid, p in trained if p.dim() < 2]
+        inner_ids = [pid for g in inner["param_groups"] for pid in g["params"]]
+        if len(inner_ids) != len(order):
+            raise ValueError(f"the state dict's inner FRUGAL has {len(inner_ids)} params, the "
+                             f"active block {len(order)} trained ones")
+        stray = [pid for pid, st in state_dict["state"].items() if pid not in order
+                 and any(k.startswith(_INNER) for k in st)]
+        if stray:
+            raise ValueError(f"the state dict holds state for param {stray[0]}, which is not "
+                             "trained in the active block")
+        for pid, inner_pid in zip(order, inner_ids):
+            entries = {k[len(_INNER):]: v for k, v in state_dict["state"].get(pid, {}).items()
+                       if k.startswith(_INNER)}
+            entries = entries or dict(inner.get("state", {}).get(inner_pid, {}))
+            if entries:
+                state[pid] = {**state.get(pid, {}), **entries}
+        return state
+
+    def _saved_group(self, saved: dict) -> dict:
+        return {k: v for k, v in saved.items() if k != "badam"}
+
+    def _check_state_dict(self, state_dict: dict) -> None:
+        super()._check_state_dict(state_dict)
+        extra = state_dict["param_groups"][0]["badam"]
+        active = int(extra["epoch"][int(extra["cursor"])])
+        saved_groups = state_dict["param_groups"]
+        for gi, saved in enumerate(saved_groups):
+            for pid in saved["params"]:
+                st = state_dict["state"].get(pid)
+                if st and gi != active:  # an empty entry is no state
+                    raise ValueError(f"the state dict holds state for param {pid}, which is "
+                                     "not in the active block")
+                if st and "step" in st and not float(st["step"]) <= extra["block_steps"]:
+                    raise ValueError(f"state of param {pid}: its step count "
+                                     f"{float(st['step'])} is more than the block's steps "
+                                     f"({extra['block_steps']})")
+
+    def _load_optimizer_state(self, state_dict: dict) -> None:
+        extra = state_dict["param_groups"][0]["badam"]
+        self._frozen = _saved_frozen(extra, self._frozen)
+        self._epoch, self._cursor = [int(i) for i in extra["epoch"]], int(extra["cursor"])
         self._steps_taken = int(extra["steps_taken"])
         self._block_steps = int(extra["block_steps"])
-        self._block_updates = None if not updates else torch.tensor(
-            float(updates), dtype=torch.float32,
-            device=self.param_groups[active]["params"][0].device)
         self._switch_every = int(extra["switch_every"])
-        self._generator = generator
+        self._generator.set_state(extra["generator"])
         self.history = [dict(h) for h in extra["history"]]
-        self._inner = inner
+        active = self.active_block_index
+        trained = self._trained(active)
+        # The engine loaded an entry for every parameter: the active block's are kept.
+        self.state = defaultdict(dict, {p: self.state[p] for p in trained})
+        self._tensor_buckets = {}
+        self._activate(active)
+        if self.inner == "frugal":
+            self._inner_steps = int(extra["inner_steps"])
+            last = extra["inner_last_change"]
+            self._inner_last_change = None if last is None else int(last)
+            self._inner_generator.set_state(extra["inner_generator"])
+            self._inner_record = _copy_record(extra["inner_record"])
         for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if gi == active and (gi, i) not in frozen:
-                    _FROZEN_BY_BADAM.pop(p, None)
-                    p.requires_grad_(True)
-                else:
+            if gi != active:
+                for p in group["params"]:
                     _deactivate(p)
+        for i, p in enumerate(self.param_groups[active]["params"]):
+            if (active, i) in self._frozen:
+                _deactivate(p)
 
 
 # ------------------------------------------------------------------ helpers
 
 
-def _inner_pairs(inner: FRUGAL, inner_state: dict) -> List[Tuple[Tensor, Any]]:
-    """(parameter, id in ``inner_state``) of an inner FRUGAL's parameters, by position."""
-    params = [p for g in inner.param_groups for p in g["params"]]
-    ids = [pid for g in inner_state["param_groups"] for pid in g["params"]]
-    return list(zip(params, ids))
-
-
 def _saved_extra(state_dict: dict) -> dict:
-    """The "badam" entry of a saved state dict, of either format, as format 1 holds it
+    """The "badam" entry of a saved state dict, of any format, as format 1 holds it
     (the history as dicts)."""
     groups = state_dict.get("param_groups") or [{}]
     extra = groups[0].get("badam") if isinstance(groups[0], dict) else None
@@ -745,11 +714,15 @@ def _saved_extra(state_dict: dict) -> dict:
                 isinstance(kv, (list, tuple)) and len(kv) == 2 for kv in h) for h in history):
         raise ValueError("the state dict's 'badam' history is not a list of lists of "
                          "[key, value] pairs")
+    version = extra.get("version", 2)
+    if isinstance(version, bool) or not isinstance(version, int) or version > _FORMAT:
+        raise ValueError(f"the state dict's 'badam' entry is of format {version!r}; this "
+                         f"BAdam reads formats 1 to {_FORMAT}")
     return {**extra, "history": [{k: v for k, v in h} for h in history]}
 
 
-# The entries of the "badam" entry a load needs (block_updates, inner, inner_state and
-# frozen came later; a state dict without them loads as one of its time).
+# The entries of the "badam" entry a load needs (inner, frozen and the formats' own
+# came later; a state dict without them loads as one of its time).
 _EXTRA_KEYS = ("block_names", "switch_mode", "epoch", "cursor", "steps_taken", "block_steps",
                "switch_every", "generator", "history")
 
@@ -769,9 +742,7 @@ def _check_extra(extra: dict, num_blocks: int) -> None:
         check_int(extra["steps_taken"], "steps_taken", 0)
         check_int(extra["block_steps"], "block_steps", 0)
         check_int(extra["cursor"], "cursor", 0)
-    except TypeError as e:
-        raise ValueError(f"the state dict's 'badam' entry: {e}") from None
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"the state dict's 'badam' entry: {e}") from None
     if extra["block_steps"] > extra["steps_taken"]:
         raise ValueError(f"the state dict's block_steps {extra['block_steps']} is more than "
@@ -793,6 +764,14 @@ def _check_extra(extra: dict, num_blocks: int) -> None:
                          "[block, index] pairs of this optimizer's blocks")
 
 
+def _saved_frozen(extra: dict, default: set) -> set:
+    """The parameters the user froze, of a checked "badam" entry (``default``, those of
+    the optimizer it is loaded into, when it was saved before the list existed)."""
+    if "frozen" not in extra:
+        return default
+    return {(int(gi), int(i)) for gi, i in extra["frozen"]}
+
+
 # The tensors a BAdam froze (inactive blocks, parameters outside every block), so that a
 # later BAdam over the same model does not take them for parameters the user froze.
 # Keyed by identity: a deepcopy of the model has new tensors, which carry no mark.
@@ -811,22 +790,16 @@ def _inner_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % 2**63
 
 
-def _check_inner(inner: str, frugal_options: dict, lr, betas, eps, weight_decay,
-                 backend: str) -> None:
+def _check_inner(inner: str, frugal_options: dict) -> None:
     if inner not in INNER_OPTIMIZERS:
         raise ValueError(f"inner must be one of {', '.join(INNER_OPTIMIZERS)}; got {inner!r}")
-    unknown = sorted(set(frugal_options) - set(_FRUGAL_OPTIONS))
+    unknown = sorted(set(frugal_options) - set(_FRUGAL_DEFAULTS))
     if unknown:
         raise TypeError(f"BAdam got unexpected keyword arguments {unknown}; the FRUGAL options "
-                        f"of inner='frugal' are {', '.join(_FRUGAL_OPTIONS)}")
+                        f"of inner='frugal' are {', '.join(_FRUGAL_DEFAULTS)}")
     if frugal_options and inner != "frugal":
         raise ValueError(f"{', '.join(sorted(frugal_options))} are options of inner='frugal', "
                          f"not of inner={inner!r}")
-    if inner == "frugal":
-        # FRUGAL's own checks, on a stand-in tensor, before any parameter is touched.
-        probe = torch.zeros(2, 2, requires_grad=True)
-        FRUGAL([probe], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-               backend=backend, **frugal_options)
 
 
 def _check_switch_every(value: Any) -> None:
@@ -938,20 +911,3 @@ def _resolve_order(order: Optional[Sequence[Union[str, int]]], names: List[str])
     if len(set(indices)) != len(indices):
         raise ValueError(f"order repeats a block: {list(order)!r}")
     return indices
-
-
-def _check_saved_state(saved: dict, p: Tensor, pid: Any) -> None:
-    if not saved:
-        return
-    for key, value in saved.items():
-        if key not in _STATE_KEYS:
-            raise ValueError(f"state of param {pid}: unknown entry {key!r}")
-        if not isinstance(value, Tensor) or value.dtype != torch.float32:
-            raise ValueError(f"state of param {pid}: {key} must be a float32 tensor")
-        if tuple(value.shape) != tuple(p.shape):
-            raise ValueError(f"state of param {pid}: {key} has shape {tuple(value.shape)}, the "
-                             f"param {tuple(p.shape)}")
-    if "exp_avg" not in saved or "exp_avg_sq" not in saved:
-        raise ValueError(f"state of param {pid}: exp_avg and exp_avg_sq must come together")
-    if ("master" in saved) != (p.dtype != torch.float32):
-        raise ValueError(f"state of param {pid}: a master copy belongs to bf16/fp16 params only")

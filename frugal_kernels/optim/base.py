@@ -102,6 +102,11 @@ class FusedOptimizer(Optimizer):
         """The rule of ``p`` (``group["params"][i]``, with a gradient), its state made ready."""
         raise NotImplementedError
 
+    def _group_steps(self, gi: int) -> bool:
+        """Whether the tensors of param group ``gi`` take this step (BAdam: its active
+        block's only); a gradient of a group that does not is neither checked nor read."""
+        return True
+
     def _check_group(self, group: dict, where: str, read_device: bool = False) -> None:
         """Raise unless ``group``'s options are valid (when it is added, and at every
         step: a user or a scheduler may have changed them; ``read_device``: a tensor lr
@@ -152,22 +157,11 @@ class FusedOptimizer(Optimizer):
         float32 without being rounded back to 16 bits first). Under FSDP2 the norm is
         reduced over the ranks. Call it after backward, right before ``step()``.
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-            raise TypeError(f"max_norm must be a number, got {max_norm!r}")
-        if not (math.isfinite(max_norm) and max_norm >= 0):
-            raise ValueError(f"max_norm must be finite and >= 0, got {max_norm}")
-        norm_type = float(norm_type)
-        if not (norm_type == 2.0 or norm_type == math.inf):
-            raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
+        refuse_clip_in_backward(self)
         grads = [sharding.local(p.grad) for group in self.param_groups for p in group["params"]
                  if p.grad is not None]
-        total, found_inf = global_norm(grads, norm_type, self._shard_groups())
-        if error_if_nonfinite and not bool(torch.isfinite(total)):  # the sync torch makes too
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
-                               "non-finite, so it cannot be clipped; to skip such steps "
-                               "instead, leave error_if_nonfinite=False")
-        # torch's factor, to the bit: computed in float32 from the float32 norm.
-        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        total, factor, found_inf = clip_factor(grads, max_norm, norm_type, error_if_nonfinite,
+                                               self._shard_groups())
         self._pending_clip = (factor, found_inf)
         return total
 
@@ -312,6 +306,9 @@ class FusedOptimizer(Optimizer):
         strided, layouts = torch.strided, self._layouts
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, f"param group {gi}")
+            if not self._group_steps(gi):
+                key.append(None)
+                continue
             for i, p in enumerate(group["params"]):
                 g = p.grad
                 key.append(g is not None)
@@ -342,7 +339,7 @@ class FusedOptimizer(Optimizer):
             self._before_plan()
             if self._plan is None or key != self._plan_key:
                 self._plan = plan.build(self.param_groups, self.state, self._assign,
-                                        self._group_lr, self._layouts)
+                                        self._group_lr, self._layouts, self._group_steps)
                 self._plan_key = key
         except BaseException:
             self._restore_bookkeeping(saved)
@@ -434,6 +431,8 @@ class FusedOptimizer(Optimizer):
     def _step_tensor(self, p: Tensor) -> None:
         """Update ``p`` with its gradient, complete now, as the ordinary step would."""
         gi, i = self._tensor_index[p]
+        if not self._group_steps(gi):
+            return  # the ordinary step leaves it alone too
         g = p.grad
         if g.layout is not torch.strided or g.dtype is not p.dtype or not p.is_contiguous():
             _refuse_gradient(gi, i, p)
@@ -800,6 +799,43 @@ def global_norm(grads: List[Tensor], norm_type: float, shard_groups: List[Any]
     if groups:
         sharding.max_over_ranks_(flag, groups)
     return total, flag
+
+
+def refuse_clip_in_backward(optimizer: Optimizer) -> None:
+    """Refuse ``optimizer.clip_grad_norm_`` while its tensors step in backward: their
+    gradients were used and freed inside backward, so it would find none (a norm of 0)."""
+    from frugal_kernels.optim.in_backward import handle_of  # it imports this module
+
+    if handle_of(optimizer) is not None:
+        raise RuntimeError(
+            "clip_grad_norm_ on an optimizer that steps in backward: the gradients were used "
+            "and freed inside backward, so it would clip nothing (and return 0). Clip inside "
+            "the step instead: frugal_kernels.step_in_backward(optimizer, max_grad_norm=..., "
+            "clip='tensor') (each tensor by its own norm, one pass) or clip='global' (the "
+            "joint norm, with handle.norm_pass()); or handle.remove() for the ordinary step")
+
+
+def clip_factor(grads: List[Tensor], max_norm: float, norm_type: float,
+                error_if_nonfinite: bool, shard_groups: List[Any]
+                ) -> Tuple[Tensor, Tensor, Tensor]:
+    """What a ``clip_grad_norm_`` hands to the next step, checked as torch checks it: the
+    total norm of ``grads`` (see :func:`global_norm`), torch's clip factor from it and
+    the non-finite flag, in one read of the gradients and no host sync (but the one
+    ``error_if_nonfinite`` asks for)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(f"max_norm must be a number, got {max_norm!r}")
+    if not (math.isfinite(max_norm) and max_norm >= 0):
+        raise ValueError(f"max_norm must be finite and >= 0, got {max_norm}")
+    norm_type = float(norm_type)
+    if not (norm_type == 2.0 or norm_type == math.inf):
+        raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
+    total, found_inf = global_norm(grads, norm_type, shard_groups)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):  # the sync torch makes too
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                           "non-finite, so it cannot be clipped; to skip such steps "
+                           "instead, leave error_if_nonfinite=False")
+    # torch's factor, to the bit: computed in float32 from the float32 norm.
+    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0), found_inf
 
 
 def clipped_scale(grad_scale: Optional[Tensor], factor: Tensor) -> Tensor:

@@ -13,7 +13,9 @@ optimizer and training loop with ``Tensor.register_post_accumulate_grad_hook``:
   ``.grad = None``;
 - the first hook of that backward starts the step (checks, step counts,
   subspace changes), and a callback at the end of backward ends it (BAdam's
-  block switch, tensors whose gradient came only from earlier micro-batches);
+  block switch, tensors whose gradient came only from earlier micro-batches):
+  the end of the outermost backward, when a reentrant activation checkpoint
+  runs a backward pass of its own inside it;
 - ``optimizer.step()`` is left with the bookkeeping a loop still calls it for
   (a closure, an LR scheduler's check); ``zero_grad()`` keeps its meaning, and
   after a step in backward there is no gradient left for it to clear.
@@ -36,7 +38,8 @@ says so: a GradScaler (its skip of a step with an inf) raises at
 ``scaler.step``; a global-norm clip is the two-pass :meth:`StepInBackward.norm_pass`
 or, in one pass, ``clip="tensor"`` (each tensor's gradient by its own norm), and
 ``torch.nn.utils.clip_grad_norm_`` over parameters that step in backward raises
-(their gradients are gone: it would clip nothing and return 0). Under DistributedDataParallel the
+(their gradients are gone: it would clip nothing and return 0), as the optimizer's own
+one-read ``clip_grad_norm_`` does. Under DistributedDataParallel the
 step waits for each bucket's all-reduce (``ddp=``); FSDP2's DTensor parameters
 are refused (docs/optimizers.md).
 """
@@ -381,6 +384,20 @@ class StepInBackward:
     def _end_backward(self, backward_id: int) -> None:
         if backward_id != self._backward_id or not self._in_backward:
             return  # a backward pass that failed and was abandoned
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            # The callback was queued from inside a nested backward pass, run by a node of
+            # an outer one (a reentrant activation checkpoint recomputes its region and
+            # runs backward through it): the pass this step belongs to goes on. End it
+            # with the outer pass: once that node is done, queue this callback again, on
+            # the outer pass (nested deeper, it comes back here and moves out again).
+            def after_node(grad_inputs, grad_outputs):
+                hook.remove()
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._end_backward(backward_id))
+
+            hook = node.register_hook(after_node)
+            return
         self._in_backward = False
         if not self._stepping:
             return

@@ -111,10 +111,6 @@ class Bucket:
     # update again whenever a blocks subspace change frees one tensor's state and gives
     # another its moments. A plan is rebuilt whenever the optimizer's state is replaced.
     states: List[dict] = field(default_factory=list)
-    # The bias-correction count of the call where the optimizer keeps one count for the
-    # whole bucket rather than one in each tensor's state (BAdam's count of the block's
-    # applied updates), set before each call; None: ``states[0]["step"]``.
-    step: Optional[Tensor] = None
 
 
 def signature(params: Sequence[Tensor]) -> list:
@@ -166,15 +162,19 @@ def adamw_assignment(st: dict) -> Assignment:
 def build(param_groups: Sequence[dict], state,
           assign: Callable[[int, dict, int, Tensor], Assignment],
           group_lr: Callable[[int, dict], Tensor],
-          layouts: Optional[Dict[Tensor, ShardLayout]] = None) -> List[Bucket]:
+          layouts: Optional[Dict[Tensor, ShardLayout]] = None,
+          group_steps: Optional[Callable[[int], bool]] = None) -> List[Bucket]:
     """Bucket every tensor with a gradient by ``assign(group_index, group, index, p)``.
 
     ``assign`` also gives the tensor the state its rule needs; a bucket holds
     tensors of one group, dtype, device and bias-correction step. ``layouts`` maps
-    the DTensor parameters to their :class:`ShardLayout`."""
+    the DTensor parameters to their :class:`ShardLayout`; ``group_steps(gi)`` False
+    leaves group ``gi`` out (BAdam's inactive blocks)."""
     layouts = layouts or {}
     buckets: Dict[tuple, Bucket] = {}
     for gi, group in enumerate(param_groups):
+        if group_steps is not None and not group_steps(gi):
+            continue
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -265,14 +265,10 @@ def run(bucket: Bucket, grads: List[Tensor], backend: str,
     bucket.checked = sig
 
 
-def _step_count(bucket: Bucket) -> Tensor:
-    return bucket.states[0]["step"] if bucket.step is None else bucket.step
-
-
 def _moments(bucket: Bucket):
     states = bucket.states
     return (states, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-            _step_count(bucket))
+            bucket.states[0]["step"])
 
 
 def _prepared(bucket: Bucket, prepare: Callable[[], Callable[..., None]]) -> Callable[..., None]:
@@ -290,7 +286,7 @@ def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=_step_count(bucket), **amp)
+                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"], **amp)
     if calls is unchecked:
         _prepared(bucket, lambda: unchecked.prepare_adamw_(
             params, *_moments(bucket)[1:3], backend=backend))(grads, **hyper)

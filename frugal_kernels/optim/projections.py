@@ -33,12 +33,12 @@ from frugal_kernels._layout import (LEFT, MomentBlocks, lowrank_dim, lowrank_sid
                                     matrix_shape, projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
 from frugal_kernels.optim import subspace
-from frugal_kernels.optim.plan import (STATE_FREE, Assignment, adamw_assignment, ensure_moments,
-                                       stores_int8)
-from frugal_kernels.optim.sharding import ShardLayout, is_sharded, local
+from frugal_kernels.optim.plan import (ADAMW, ADAMW_MASTER, STATE_FREE, Assignment,
+                                       adamw_assignment, ensure_moments, stores_int8)
+from frugal_kernels.optim.sharding import SHARDED_KEYS, ShardLayout, is_sharded, local
 
-__all__ = ["DENSE", "FAMILIES", "Blocks", "CoordinateSubset", "Dense", "LowRank", "Projection",
-           "Subspace"]
+__all__ = ["DENSE", "DENSE_MASTER", "FAMILIES", "Blocks", "CoordinateSubset", "Dense",
+           "DenseMaster", "LowRank", "Projection", "Subspace"]
 
 
 @dataclass
@@ -66,10 +66,6 @@ class Subspace:
     record: dict
     layouts: Mapping[Tensor, ShardLayout] = field(default_factory=dict)
     arriving: bool = False
-
-
-# The moments' entries, whose rows are the tensor's: a rank holds its rows' part of each.
-_SHARDED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
 class Projection:
@@ -103,13 +99,13 @@ class Projection:
         rank's ``st``: DTensors for the entries that :func:`sharding.sharded_entry`
         names, plain tensors (the same on every rank) for the others. A collective."""
         return {key: layout.to_dtensor(value, self._global_shape(key, value, st, p))
-                if key in _SHARDED else value for key, value in st.items()}
+                if key in SHARDED_KEYS else value for key, value in st.items()}
 
     def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
                     device: torch.device) -> dict:
         """This rank's state from a global-form ``saved`` (checked already): copies,
         never the saved tensors. A collective."""
-        return {key: layout.block_of(value, device) if key in _SHARDED
+        return {key: layout.block_of(value, device) if key in SHARDED_KEYS
                 else value.to(device if key != "step" else value.device, copy=True)
                 for key, value in saved.items()}
 
@@ -130,6 +126,37 @@ class Dense(Projection):
 
     def fits(self, saved: dict, p: Tensor) -> bool:
         return tuple(saved["exp_avg"].shape) == tuple(p.shape)
+
+
+class DenseMaster(Dense):
+    """Every coordinate state-full, a bf16 / fp16 tensor updated on an fp32 master copy
+    (``state["master"]``, made with its moments) that is rounded into it after every
+    step (BAdam's ``inner="adamw"``); float32 tensors as :class:`Dense`."""
+
+    state_keys = ("master",)
+
+    def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
+        st = sub.state[p]
+        super().assign(sub, i, p)
+        if p.dtype == torch.float32:
+            return ADAMW
+        if "master" not in st:
+            st["master"] = local(p.detach()).float().contiguous()
+        return ADAMW_MASTER
+
+    def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
+        master = saved.get("master")
+        if master is None:
+            return ("the master copy of a bf16 / fp16 parameter is missing beside its moments"
+                    if "exp_avg" in saved and p.dtype != torch.float32 else None)
+        if p.dtype == torch.float32:
+            return "a master copy belongs to bf16 / fp16 params only"
+        if "exp_avg" not in saved:
+            return "a master copy without moments"
+        if master.dtype != torch.float32 or tuple(master.shape) != tuple(p.shape):
+            return (f"the master copy must be a float32 tensor of the param's shape "
+                    f"{tuple(p.shape)}, got {master.dtype} {tuple(master.shape)}")
+        return None
 
 
 class Blocks(Dense):
@@ -413,6 +440,7 @@ def _lowrank_moments_shape(p: Tensor, rank: int, layout: Optional[ShardLayout]
 
 
 DENSE = Dense()
+DENSE_MASTER = DenseMaster()
 
 # One family per value of FRUGAL's ``projection`` (subspace.PROJECTIONS, in its order).
 FAMILIES: Dict[str, Projection] = {

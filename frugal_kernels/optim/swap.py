@@ -28,6 +28,17 @@ the swapped step does both as torch's fused step does, with the scaler's
 (no host sync). The step counts are counted before the update and take
 ``found_inf`` back after it, as torch's fused step does, so a skipped step
 leaves them as they were.
+
+The swap also gives the instance ``clip_grad_norm_(max_norm, norm_type=2.0,
+error_if_nonfinite=False)``, the step engine's clip: the global norm and the
+non-finite flag in one read of the gradients (``ops.grad_norm``), the clip
+factor handed to the next step, whose fused ops apply it as they read the
+gradients (folded into a GradScaler's scale), and the flag its skip decision
+(``found_inf``, with the step counts taken back). A method on the instance, as
+the swapped ``step`` is, rather than a free function: the optimizer is the
+thing that holds the pending clip until its next step, and a training loop
+calls ``opt.clip_grad_norm_`` the same way on every optimizer of the package.
+``swap(undo=True)`` removes it with the step (and a clip still pending).
 """
 
 from __future__ import annotations
@@ -42,7 +53,9 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from frugal_kernels import ops
 from frugal_kernels._layout import inverse_grad_scale, on_device
-from frugal_kernels.optim.base import by_device
+from frugal_kernels.optim import sharding
+from frugal_kernels.optim.base import (by_device, clip_factor, clipped_scale,
+                                       refuse_clip_in_backward)
 from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
@@ -55,6 +68,8 @@ _BACKEND = "_frugal_swap_backend"
 # Where it keeps each Adam(W) group's op calls (see _adam_calls).
 _CALLS = "_frugal_swap_calls"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
+# Where clip_grad_norm_ leaves (clip factor, non-finite flag) for the next step.
+_CLIP = "_frugal_swap_clip"
 
 
 def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> Optimizer:
@@ -75,14 +90,27 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
         ValueError: for an option the swapped step does not honour (see the
             module docstring); checked now and again at every step, since
             param groups may change.
+        RuntimeError: for ``undo=True`` while the optimizer steps in backward
+            (:func:`frugal_kernels.step_in_backward`): ``handle.remove()`` first.
     """
     if undo:
         if _SAVED not in optimizer.__dict__:
             raise ValueError("swap(undo=True): this optimizer was not swapped")
+        # Imported here: the step in backward is built on this module.
+        from frugal_kernels.optim.in_backward import handle_of
+
+        if handle_of(optimizer) is not None:
+            # Its hooks step through the swapped step, and its remove() puts back the
+            # optimizer.step it replaced: the swapped one.
+            raise RuntimeError("swap(undo=True): this optimizer steps in backward "
+                               "(frugal_kernels.step_in_backward); call handle.remove() "
+                               "first, then undo the swap")
         saved = optimizer.__dict__.pop(_SAVED)
         optimizer.__dict__.pop(_BACKEND, None)
         optimizer.__dict__.pop(_CALLS, None)
+        optimizer.__dict__.pop(_CLIP, None)
         del optimizer.step
+        del optimizer.clip_grad_norm_
         if saved is not None:
             optimizer.step = saved
         return optimizer
@@ -108,6 +136,12 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
         # (a fused torch optimizer); the swapped step then does it in the fused ops.
         amp = {"grad_scale": getattr(self, "grad_scale", None),
                "found_inf": getattr(self, "found_inf", None)}
+        clip = self.__dict__.pop(_CLIP, None)  # taken by this step, whatever happens below
+        if clip is not None:
+            amp["grad_scale"] = clipped_scale(amp["grad_scale"], clip[0])
+            # A GradScaler's flag was computed over these gradients: it stands.
+            if amp["found_inf"] is None:
+                amp["found_inf"] = clip[1]
         for group in self.param_groups:
             group_step(self, group, backend, amp=amp)
         return loss
@@ -119,7 +153,33 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
     optimizer.__dict__[_SAVED] = optimizer.__dict__.get("step")
     optimizer.__dict__[_BACKEND] = backend
     optimizer.step = types.MethodType(hooked, optimizer)
+    optimizer.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, optimizer)
     return optimizer
+
+
+def _clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                     error_if_nonfinite: bool = False) -> Tensor:
+    """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
+    over this optimizer's parameters, in one read of them.
+
+    Returns the total norm (a 0-dim float32 tensor, as torch's). The gradients are not
+    rewritten: the next ``step()`` applies torch's factor ``min(1, max_norm / (norm +
+    1e-6))`` as its fused ops read them, which equals clipping first and stepping after
+    with that factor to the bit, and skips itself on the device (params, state and step
+    counts untouched) when a gradient is NaN or infinite, where torch's clip would scale
+    every gradient to NaN. Under FSDP2 the norm is reduced over the ranks. Call it after
+    backward (after a GradScaler's ``unscale_``), right before ``step()``; it applies to
+    that step only. Refused while the optimizer steps in backward (its clip is then the
+    handle's ``max_grad_norm``).
+    """
+    refuse_clip_in_backward(self)
+    params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+    layouts = [layout for i, p in enumerate(params)
+               if (layout := sharding.layout_of(p, f"parameter {i} with a gradient")) is not None]
+    total, factor, found_inf = clip_factor([local(p.grad) for p in params], max_norm, norm_type,
+                                           error_if_nonfinite, sharding.process_groups(layouts))
+    self.__dict__[_CLIP] = (factor, found_inf)
+    return total
 
 
 def is_swapped(optimizer: Optimizer) -> bool:
@@ -221,9 +281,11 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
             f"{type(optimizer).__name__} keeps its step counts on the host, which a CUDA graph "
             "capture would freeze at their value now; build it with fused=True (its counts "
             "live on the GPU) to capture its swapped step, as torch asks of its own AdamW")
+    whole = params is None
+    split = _adam_calls(optimizer, group, with_grads, whole)
     if steps:
         torch._foreach_add_(steps, 1.0)
-    for params in _adam_calls(optimizer, group, with_grads, whole=params is None):
+    for params in split:
         # DTensor parameters (FSDP2) keep torch's state, DTensors like them, which
         # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
         # local blocks of all of them.
@@ -251,6 +313,11 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
         # Queued after the update: a skipped step takes its count back (on the device).
         for device, device_steps in by_device(steps).items():
             torch._foreach_sub_(device_steps, on_device(found_inf, device).reshape(()))
+    if whole:
+        # Kept once the step is done (one that raised halfway keeps nothing, and the next
+        # splits afresh). The step tensors are held, so that none of them is freed and
+        # another made at its address (the check is by identity).
+        optimizer.__dict__.setdefault(_CALLS, {})[id(group)] = (steps, _versions(steps), split)
 
 
 def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
@@ -258,24 +325,31 @@ def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
     """``with_grads`` split into op calls, one per device and step count (params added
     later count their own steps). Finding the counts reads every ``state["step"]`` (a
     host sync each for a fused group's device counts), so a whole group's split is kept
-    and reused while the group steps the same tensors with the same step tensors:
-    every step adds the same to all of them, so equal counts stay equal."""
+    and reused while the group steps the same tensors with the same step tensors, none
+    of them written since (their version counters as the last step left them): every
+    step adds the same to all of them, so equal counts stay equal. A count reset in
+    place (``state["step"].zero_()``, as some loops do on restarts) moves its version,
+    and the group is split again by the counts it holds now."""
     steps = [optimizer.state[p]["step"] for p in with_grads]
-    cache = optimizer.__dict__.setdefault(_CALLS, {})
     if whole:
-        kept = cache.get(id(group))
+        kept = optimizer.__dict__.get(_CALLS, {}).get(id(group))
         if kept is not None and len(kept[0]) == len(steps) and \
-                all(a is b for a, b in zip(kept[0], steps)):
-            return kept[1]
+                all(a is b for a, b in zip(kept[0], steps)) and \
+                kept[1] is not None and kept[1] == _versions(steps):
+            return kept[2]
     calls: Dict[Tuple[torch.device, float], List[Tensor]] = defaultdict(list)
     for p, step in zip(with_grads, steps):
         calls[(p.device, float(step))].append(p)
-    split = list(calls.values())
-    if whole:
-        # The step tensors are held, so that none of them is freed and another made at
-        # its address (the check is by identity).
-        cache[id(group)] = (steps, split)
-    return split
+    return list(calls.values())
+
+
+def _versions(steps: List[Tensor]) -> Optional[Tuple[int, ...]]:
+    """The version counters of ``steps`` (bumped by every in-place write), or None where
+    one has none (a count made under ``torch.inference_mode``: never reused then)."""
+    try:
+        return tuple(step._version for step in steps)
+    except RuntimeError:
+        return None
 
 
 # --------------------------------------------------------------------- SGD

@@ -23,6 +23,9 @@ TILE = LIMITS["frugal_step"]["tile"]
 # dqt_update_'s tiles and chunks count padded positions (rows padded to groups of 8).
 DQT_TILE = LIMITS["dqt_update"]["tile"]
 DQT_CHUNK = LIMITS["dqt_update"]["chunk"]
+# grad_norm's chunks: one partial result each.
+GN_CHUNK = LIMITS["grad_norm"]["chunk"]
+GN_SIZES = [1, 7, 2047, 2048, 2049, GN_CHUNK - 1, GN_CHUNK, GN_CHUNK + 1, 2 * GN_CHUNK + 5]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # lr is a power of two so that a float32 device tensor holds it exactly.
@@ -177,3 +180,23 @@ def dqt_data(kind, shapes, bits, dtype, index_dtype, seed):
         m.append(0.1 * torch.randn(sshape, generator=gen))
         v.append(0.01 * torch.rand(sshape, generator=gen))
     return q, s, g, m, v, idx
+
+
+def grad_norm_data(numels, dtype, seed):
+    """Gradients (host tensors) with magnitudes over several decades, so that a wrong
+    index or a lost element moves the norm."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(grads_like(n, torch.float32, gen) * torch.exp(torch.randn(n, generator=gen) * 2))
+            .to(dtype) for n in numels]
+
+
+def grad_norm_partials(grads, max_norm):
+    """The partial results of grad_norm's kernel from first principles: per chunk of each
+    non-empty gradient, in order, its sum of squares or largest magnitude (double)."""
+    out = []
+    for g in grads:
+        flat = g.reshape(-1).double()
+        for a in range(0, flat.numel(), GN_CHUNK):
+            part = flat[a:a + GN_CHUNK]
+            out.append(part.abs().max().item() if max_norm else part.square().sum().item())
+    return out

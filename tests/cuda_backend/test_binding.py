@@ -91,7 +91,7 @@ def test_batches_check_their_lengths():
 
 
 def test_cuda_limits_describe_every_kernel():
-    assert set(LIMITS) == {"adamw", "sign_sgd", "frugal_step", "dqt_update"}
+    assert set(LIMITS) == {"adamw", "sign_sgd", "frugal_step", "dqt_update", "grad_norm"}
     for op, limits in LIMITS.items():
         assert limits["max_tensors"] <= 256 and limits["max_blocks"] > 0, op
         assert limits["chunk"] % limits["threads"] == 0, op

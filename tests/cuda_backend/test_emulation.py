@@ -13,6 +13,8 @@ constant changes.
 """
 
 import contextlib
+import importlib
+import math
 import os
 import shutil
 import types
@@ -27,8 +29,12 @@ from frugal_kernels.ops import adamw, dqt_update, frugal_step, sign_sgd
 from frugal_kernels.ops._common import kernel_batch, subset_batch
 
 from .cases import (_C, BETA1, BETA2, CHUNK, DQT_CHUNK, DQT_SHAPES, DQT_TILE, DTYPES, EPS,
-                    FRUGAL_SHAPES, LR, SIZES, STEP, TILE, WD, adamw_data, assert_equal, dqt_data,
-                    dqt_padded, frugal_data, launches_for, placed, sign_sgd_data)
+                    FRUGAL_SHAPES, GN_CHUNK, GN_SIZES, LR, SIZES, STEP, TILE, WD, adamw_data,
+                    assert_equal, dqt_data, dqt_padded, frugal_data, grad_norm_data,
+                    grad_norm_partials, launches_for, placed, sign_sgd_data)
+
+# The module, which ops.grad_norm (the function) hides as an attribute of ops.
+grad_norm = importlib.import_module("frugal_kernels.ops.grad_norm")
 
 
 def placed_lists(data, names, misaligned):
@@ -376,6 +382,109 @@ def test_dqt_update_grad_scaler_on_the_device():
         assert_equal(name, getattr(skipped, name), before[i])
 
 
+# -------------------------------------------------------------- grad_norm
+
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def run_grad_norm(grads, max_norm, capacity=None):
+    """The emulated first kernel over ``grads`` (one dtype): (partials, launches)."""
+    count = len(grad_norm_partials(grads, max_norm))
+    # NaN, so that a partial no block wrote shows.
+    partials = torch.full((count if capacity is None else capacity,), math.nan,
+                          dtype=torch.float64)
+    launches = _C.grad_norm_cuda_emulated([g.data_ptr() for g in grads],
+                                          [g.numel() for g in grads], DTYPE_CODE[grads[0].dtype],
+                                          max_norm, partials.data_ptr(), partials.numel())
+    return partials, launches
+
+
+def check_partials(grads, max_norm):
+    got, launches = run_grad_norm(grads, max_norm)
+    want = torch.tensor(grad_norm_partials(grads, max_norm), dtype=torch.float64)
+    if max_norm:
+        assert torch.equal(got, want)  # a maximum has one order-free answer
+    else:
+        # Another order of the same double additions.
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0.0)
+    return launches
+
+
+@pytest.mark.parametrize("max_norm", [False, True], ids=["2", "inf"])
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grad_norm_partials(dtype, misaligned, max_norm):
+    grads = [placed(g, misaligned=misaligned)
+             for g in grad_norm_data(GN_SIZES, dtype, seed=30)]
+    assert check_partials(grads, max_norm) == 1
+
+
+@pytest.mark.parametrize("max_norm", [False, True], ids=["2", "inf"])
+def test_grad_norm_more_tensors_and_blocks_than_one_launch_holds(max_norm):
+    gen = torch.Generator().manual_seed(31)
+    numels = [int(n) for n in torch.randint(1, 3 * 2048, (100,), generator=gen)]
+    numels[10] = numels[50] = 0
+    # 321 chunks: the first tensor spans two launches, whose partials must land in order.
+    numels[70] = 320 * GN_CHUNK + 3
+    grads = grad_norm_data(numels, torch.bfloat16, seed=31)
+    assert check_partials(grads, max_norm) == launches_for("grad_norm", numels) >= 3
+
+
+@pytest.mark.parametrize("max_norm", [False, True], ids=["2", "inf"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_grad_norm_non_finite_elements_reach_their_partial(bad, max_norm):
+    sizes = [GN_CHUNK + 9, 513]
+    for t, position in [(0, 0), (0, GN_CHUNK - 1), (0, GN_CHUNK + 8), (1, 0), (1, 512)]:
+        grads = grad_norm_data(sizes, torch.float16, seed=32)
+        grads[t][position] = bad
+        partials, _ = run_grad_norm(grads, max_norm)
+        chunk = t * 2 + position // GN_CHUNK  # tensor 0 has two chunks
+        for i, x in enumerate(partials.tolist()):
+            if i != chunk:
+                assert math.isfinite(x), (t, position, i)
+            elif math.isnan(bad):
+                assert math.isnan(x), (t, position)
+            else:
+                assert x == math.inf, (t, position)
+
+
+def test_grad_norm_refuses_a_short_buffer():
+    grads = grad_norm_data([GN_CHUNK + 1, 5], torch.float32, seed=33)
+    partials, _ = run_grad_norm(grads, False, capacity=4)
+    assert math.isfinite(partials[2].item()) and math.isnan(partials[3].item())
+    with pytest.raises(ValueError, match="3 partial results for a buffer of 2"):
+        run_grad_norm(grads, False, capacity=2)
+
+
+def finish(partials, max_norm):
+    partials = torch.tensor(partials, dtype=torch.float64)
+    norm, found = torch.full((), -1.0), torch.full((1,), -1.0)
+    _C.grad_norm_finish_cuda_emulated(partials.data_ptr(), partials.numel(), max_norm,
+                                      norm.data_ptr(), found.data_ptr())
+    return norm.item(), found.item()
+
+
+def test_grad_norm_finish():
+    gen = torch.Generator().manual_seed(34)
+    # More partials than the block has threads, some threads with none.
+    for count in (0, 1, 255, 256, 257, 1000):
+        parts = (torch.rand(count, generator=gen, dtype=torch.float64) * 100).tolist()
+        norm, found = finish(parts, False)
+        assert norm == pytest.approx(math.sqrt(sum(parts)), rel=2 ** -23) and found == 0.0
+        assert finish(parts, True) == (float(torch.tensor(max(parts, default=0.0))), 0.0)
+    parts = [1.0] * 600
+    for bad in (math.nan, math.inf):
+        for where in (0, 299, 599):
+            with_bad = parts[:where] + [bad] + parts[where + 1:]
+            for max_norm in (False, True):
+                norm, found = finish(with_bad, max_norm)
+                assert found == 1.0 and (math.isnan(norm) if math.isnan(bad) else norm == bad)
+    # The flag says whether an element was NaN or infinite, as the cpu backend's: a norm
+    # of finite gradients past fp32's range is inf as float32, its flag 0.
+    assert finish([1e77, 1e77], False) == (math.inf, 0.0)
+    assert finish([1e30, 4e30], False) == (float(torch.tensor(math.sqrt(5e30))), 0.0)
+
+
 # ------------------------------------------------- the ops' cuda glue
 
 class _EmulatedCuda:
@@ -392,7 +501,7 @@ class _EmulatedCuda:
 @pytest.fixture
 def emulated_cuda(monkeypatch):
     fake = _EmulatedCuda()
-    for module in (adamw, sign_sgd, frugal_step, dqt_update):
+    for module in (adamw, sign_sgd, frugal_step, dqt_update, grad_norm):
         monkeypatch.setattr(module, "extension", lambda: fake)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream",
@@ -440,6 +549,26 @@ def test_the_ops_cuda_backends_build_the_same_call_as_the_cpu_ones(emulated_cuda
                                               found_inf=found, bits=3, rng_step=2**31 + 7))
         for name in ("codes", "exp_avgs", "exp_avg_sqs"):
             assert_equal(f"dqt_update_ {kind} {name}", getattr(got, name), getattr(want, name))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["2", "inf"])
+def test_the_grad_norm_cuda_backend_gives_the_cpu_backends_norm(emulated_cuda, norm_type):
+    """ops.grad_norm._cuda: every dtype's partials in one buffer at their offsets, then
+    the norm and flag, as the cpu backend gives them (another order of double sums)."""
+    grads = [g for i, dtype in enumerate(DTYPES)
+             for g in grad_norm_data([GN_CHUNK + 3, 0, 77, 2 * GN_CHUNK], dtype, seed=40 + i)]
+    for case in (grads, grads[4:8], [grads[1]], []):
+        if not case:
+            got = (torch.zeros(()), torch.zeros(1))  # the op answers an empty list itself
+        else:
+            got = grad_norm._cuda(case, norm_type)
+        want = grad_norm._cpu(case, norm_type) if case else got
+        assert got[0].shape == () and got[1].shape == (1,)
+        assert math.isclose(got[0].item(), want[0].item(), rel_tol=2 ** -23)
+        assert torch.equal(got[1], want[1])
+    grads[10][5] = math.nan
+    norm, found = grad_norm._cuda(grads, norm_type)
+    assert math.isnan(norm.item()) and found.item() == 1.0
 
 
 # ------------------------------------------------------------------ build

@@ -6,6 +6,8 @@ states must be equal after the same call on the same data. Skipped without a
 GPU; run on a GPU machine with ``pytest -m gpu``.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -14,9 +16,9 @@ from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels._quant import QUANT_BITS
 from frugal_kernels.ops import _dispatch
 
-from .cases import (BETA1, BETA2, CHUNK, DQT_CHUNK, DQT_SHAPES, DTYPES, EPS, FRUGAL_SHAPES, LR,
-                    SIZES, STEP, TILE, WD, adamw_data, assert_equal, dqt_data, frugal_data, placed,
-                    sign_sgd_data)
+from .cases import (BETA1, BETA2, CHUNK, DQT_CHUNK, DQT_SHAPES, DTYPES, EPS, FRUGAL_SHAPES,
+                    GN_CHUNK, GN_SIZES, LR, SIZES, STEP, TILE, WD, adamw_data, assert_equal,
+                    dqt_data, frugal_data, grad_norm_data, placed, sign_sgd_data)
 
 pytestmark = pytest.mark.gpu
 
@@ -231,6 +233,71 @@ def test_dqt_update_over_steps():
 def test_dqt_update_device_scalars_without_host_sync(kind):
     check_dqt_update(kind, DQT_SHAPES[kind], 3, torch.bfloat16, torch.int32, "sign", seed=13,
                      steps=3, scalars_on_device=True)
+
+
+# -------------------------------------------------------------- grad_norm
+
+def check_grad_norm(grads, norm_type, misaligned=False):
+    """The cuda backend's norm and flag against the cpu backend's (another order of the
+    same double sums: equal after rounding to float32 but for a rare tie), its bits
+    the same on a second run, and no host sync."""
+    dev = on_gpu(grads, misaligned)
+    with no_host_sync():
+        norm, found = ops.grad_norm(dev, norm_type=norm_type, backend="cuda")
+        again = ops.grad_norm(dev, norm_type=norm_type, backend="cuda")
+    want_norm, want_found = ops.grad_norm(grads, norm_type=norm_type, backend="cpu")
+    assert norm.device.type == "cuda" and norm.shape == () and found.shape == (1,)
+    assert torch.equal(norm, again[0]) and torch.equal(found, again[1])
+    if math.isnan(want_norm.item()):
+        assert math.isnan(norm.item())
+    else:
+        assert math.isclose(norm.item(), want_norm.item(), rel_tol=2 ** -23)
+    assert torch.equal(found.cpu(), want_found)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["2", "inf"])
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grad_norm(dtype, misaligned, norm_type):
+    check_grad_norm(grad_norm_data(GN_SIZES, dtype, seed=50), norm_type, misaligned)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["2", "inf"])
+def test_grad_norm_mixed_dtypes_many_tensors_and_blocks(norm_type):
+    numels = [5, 0, 320 * GN_CHUNK + 3, *range(1, 3000, 37)]
+    grads = [g for i, dtype in enumerate(DTYPES) for g in grad_norm_data(numels, dtype, 51 + i)]
+    check_grad_norm(grads, norm_type)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_grad_norm_non_finite(bad):
+    grads = grad_norm_data([GN_CHUNK + 9, 513], torch.bfloat16, seed=52)
+    grads[0][GN_CHUNK + 8] = bad
+    for norm_type in (2.0, math.inf):
+        check_grad_norm(grads, norm_type)
+
+
+def test_grad_norm_replays_in_a_cuda_graph():
+    """The launch tables are kernel parameters and the partials buffer comes from the
+    graph's pool: a captured call reads the gradients' values at each replay."""
+    grads = on_gpu(grad_norm_data([GN_CHUNK + 5, 77], torch.float32, seed=53))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.grad_norm(grads, backend="cuda")  # warm-up outside the capture, as torch asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        norm, found = ops.grad_norm(grads, backend="cuda")
+    grads[1].mul_(1000.0)
+    grads[0][3] = math.inf
+    graph.replay()
+    want_norm, want_found = ops.grad_norm([g.cpu() for g in grads], backend="cpu")
+    assert norm.item() == want_norm.item() == math.inf and found.item() == 1.0
+    grads[0][3] = 0.0
+    graph.replay()
+    want_norm, _ = ops.grad_norm([g.cpu() for g in grads], backend="cpu")
+    assert math.isclose(norm.item(), want_norm.item(), rel_tol=2 ** -23) and found.item() == 0.0
 
 
 def test_auto_picks_cuda_for_every_op_that_has_it():

@@ -245,13 +245,11 @@ def _rank(rank, world, port, out):
 
 
 def _local_tensors(model, opt):
-    """This rank's blocks of the params and every tensor of the optimizer's state (BAdam's
-    count of applied updates too), cloned."""
+    """This rank's blocks of the params and every tensor of the optimizer's state (the
+    step counts too), cloned."""
     out = [p.to_local().clone() for p in model.parameters()]
-    out += [v.clone() for st in opt.state.values() for v in st.values()
-            if isinstance(v, torch.Tensor)]
-    updates = getattr(opt, "_block_updates", None)
-    return out + ([updates.clone()] if updates is not None else [])
+    return out + [v.clone() for st in opt.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor)]
 
 
 def single(name, start=0, stop=STEPS, path=None, save_to=None, state_bytes=None):

@@ -465,3 +465,134 @@ def test_quantize_that_fails_on_a_later_layer_changes_nothing():
         fk.quantize_(model)
     assert dict(model.named_modules()) == before
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def _snapshot(module):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in module.state_dict().items()}
+
+
+def _assert_unchanged(module, before):
+    after = module.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(after[key], value), key
+        else:
+            assert after[key] == value, key
+
+
+@pytest.mark.parametrize("bits", _quant.QUANT_BITS)
+def test_are_codes_equals_unpacking_and_checking_every_field(bits):
+    """_quant.are_codes reads the packed bytes without unpacking them; held to unpack()
+    on random bytes (valid or not) and on valid codes with one field set to all ones."""
+    gen = torch.Generator().manual_seed(bits)
+    qmax = _quant.qmax(bits)
+    for cols in (1, 2, 3, 5, 8, 13, 37):
+        width = _quant.packed_cols(cols, bits)
+        pad = width * 8 - cols * bits
+        for _ in range(50):
+            packed = torch.randint(0, 256, (3, width), generator=gen).to(torch.uint8)
+            if _ % 2:  # valid codes with one field all ones
+                packed = _quant.pack(torch.randint(-qmax, qmax + 1, (3, cols), generator=gen),
+                                     bits)
+                c = int(torch.randint(0, cols, (), generator=gen))
+                for b in range(c * bits, (c + 1) * bits):
+                    packed[1, b // 8] |= 1 << (b % 8)
+            expected = bool((_quant.unpack(packed, bits, cols) <= qmax).all()) and \
+                (pad == 0 or not bool((packed[:, -1] >> (8 - pad)).any()))
+            assert _quant.are_codes(packed, bits, cols) == expected, (cols, packed)
+        valid = _quant.pack(torch.randint(-qmax, qmax + 1, (4, cols), generator=gen), bits)
+        assert _quant.are_codes(valid, bits, cols)
+
+
+# 8-bit rows have no padding bits.
+@pytest.mark.parametrize("bits, where", [(bits, "field") for bits in _quant.QUANT_BITS] +
+                         [(bits, "padding") for bits in _quant.QUANT_BITS if bits != 8])
+def test_packed_codes_out_of_range_are_refused_and_change_nothing(bits, where):
+    """A byte whose field lies above 2 * qmax (the code qmax + 1, which no width stores) or
+    whose padding bits are set is no code of the layer's width: it used to load silently
+    (and dequantize to a weight out of the codes' range)."""
+    cols = 5 if where == "padding" else 37  # 5 columns leave padding at 2, 3 and 4 bits
+    layer = QuantLinear(cols, 11, bits=bits, seed=3)
+    sd = QuantLinear(cols, 11, bits=bits, seed=4).state_dict()
+    codes = sd["codes"].clone()
+    if where == "field":
+        # Column 1's field of row 2 set to all ones: 2**bits - 1 > 2 * qmax.
+        for b in range(bits, 2 * bits):
+            codes[2, b // 8] |= 1 << (b % 8)
+    else:
+        codes[2, -1] |= 0x80
+    sd["codes"] = codes
+    before = _snapshot(layer)
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=f"codes: .*not {bits}-bit codes"):
+            layer.load_state_dict(sd, strict=strict)
+        _assert_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_checkpoint_without_its_extra_state_is_refused_and_changes_nothing(strict):
+    """A tensors-only state dict (the _extra_state dropped) does not say the codes' width:
+    one of another width whose packed shape happens to match (2 columns at 2, 3 or 4 bits)
+    used to load with strict=False, and even strict=True copied the codes before it raised
+    on the missing key."""
+    layer = QuantLinear(2, 11, bits=4, seed=3)
+    before = _snapshot(layer)
+    for bits in (2, 3, 4):
+        sd = {k: v for k, v in QuantLinear(2, 11, bits=bits, seed=4).state_dict().items()
+              if isinstance(v, torch.Tensor)}
+        with pytest.raises(RuntimeError, match="_extra_state.*bits"):
+            layer.load_state_dict(sd, strict=strict)
+        _assert_unchanged(layer, before)
+    sd = QuantLinear(2, 11, bits=4, seed=4).state_dict()
+    sd["_extra_state"] = {"bits": 4}
+    with pytest.raises(RuntimeError, match="extra state of an unknown format"):
+        layer.load_state_dict(sd, strict=strict)
+    _assert_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("checkpoint", ["float", "other width", "bad codes"])
+def test_a_checkpoint_a_quantized_model_refuses_changes_nothing_of_the_model(checkpoint, strict):
+    """A float checkpoint (or one of another width, or with bad codes) loaded into a model
+    converted by quantize_ was refused by the QuantLinear layers, but torch had copied the
+    embedding (before them) and the head (after them) by then. quantize_ puts a check on
+    the model that reads every QuantLinear's entries before anything loads."""
+    model = _tiny_lm()
+    fk.quantize_(model, bits=4)
+    if checkpoint == "float":
+        sd = _tiny_lm().state_dict()
+        match = "layers.0.q.weight: the checkpoint holds a float weight"
+    else:
+        other = _tiny_lm()
+        fk.quantize_(other, bits=3 if checkpoint == "other width" else 4, seed=9)
+        sd = other.state_dict()
+        if checkpoint == "bad codes":
+            sd["layers.1.down.codes"] = torch.full_like(sd["layers.1.down.codes"], 0xFF)
+            match = "layers.1.down.codes: not 4-bit codes"
+        else:
+            match = "layers.0.q.: the checkpoint's layer has bits=3"
+    for name in ("embed.weight", "lm_head.weight"):
+        sd[name] = sd[name] + 1.0  # would show if copied
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=match):
+        model.load_state_dict(sd, strict=strict)
+    _assert_unchanged(model, before)
+    # The check travels with the model: a saved and loaded whole model, and a deep copy.
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for copied in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        before = _snapshot(copied)
+        with pytest.raises(RuntimeError, match=match):
+            copied.load_state_dict(sd, strict=strict)
+        _assert_unchanged(copied, before)
+    # And is put on once, however often quantize_ runs on the model.
+    fk.quantize_(model, bits=4)
+    assert len(model._load_state_dict_pre_hooks) == 1
+    good = copy.deepcopy(model)
+    with torch.no_grad():
+        good.embed.weight.add_(1.0)
+    model.load_state_dict(good.state_dict())
+    assert torch.equal(model.embed.weight, good.embed.weight)

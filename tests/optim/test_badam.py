@@ -149,8 +149,9 @@ def test_flags_grads_and_state_follow_the_active_block():
             assert not any(p.requires_grad for p in block_params(model, before))
         else:
             assert set(map(id, opt.state)) == active
-            numel = sum(p.numel() for p in block_params(model, before))
-            assert opt.state_bytes() == 8 * numel
+            params = block_params(model, before)
+            # The two fp32 moments and a float32 step count per tensor.
+            assert opt.state_bytes() == 8 * sum(p.numel() for p in params) + 4 * len(params)
         opt.zero_grad()
 
 
@@ -160,8 +161,8 @@ def test_state_bytes_is_the_active_block_only():
     everything = 8 * sum(p.numel() for p in model.parameters())
     model.loss(0).backward()
     opt.step()
-    layer = 8 * sum(p.numel() for p in model.model.layers[0].parameters())
-    assert opt.state_bytes() == layer < everything / 4
+    layer = list(model.model.layers[0].parameters())
+    assert opt.state_bytes() == 8 * sum(p.numel() for p in layer) + 4 * len(layer) < everything / 4
 
 
 def test_default_blocks_by_layer_index():
@@ -263,9 +264,9 @@ def test_resume_is_bit_identical(mode):
 
 
 def test_resume_after_a_skipped_step_keeps_the_count_of_applied_updates():
-    """block_updates travels in the state dict: a skipped step (found_inf) before the cut
-    resumes exactly; a state dict saved before block_updates existed takes block_steps,
-    and a count beyond block_steps is refused."""
+    """The bias-correction counts (each tensor's "step") travel in the state dict: a
+    skipped step (found_inf) before the cut resumes exactly, and a count beyond the
+    block's steps is refused."""
     model, first = Toy(), Toy()
     opt, opt1 = badam(model, "ascending"), badam(first, "ascending")
     for m, o in ((model, opt), (first, opt1)):
@@ -276,8 +277,8 @@ def test_resume_after_a_skipped_step_keeps_the_count_of_applied_updates():
         del o.found_inf
         o.zero_grad()
     saved = opt1.state_dict()
-    assert saved["param_groups"][0]["badam"]["block_updates"] == 1.0
     assert saved["param_groups"][0]["badam"]["block_steps"] == 2
+    assert saved["state"] and all(float(st["step"]) == 1.0 for st in saved["state"].values())
     resumed = copy.deepcopy(first)
     opt2 = badam(resumed, "ascending")
     opt2.load_state_dict(saved)
@@ -286,14 +287,27 @@ def test_resume_after_a_skipped_step_keeps_the_count_of_applied_updates():
     for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
     too_many = copy.deepcopy(saved)
-    too_many["param_groups"][0]["badam"]["block_updates"] = 3.0
-    with pytest.raises(ValueError, match="block_updates 3.0 is not a count"):
+    next(iter(too_many["state"].values()))["step"] = torch.tensor(3.0)
+    with pytest.raises(ValueError, match="step count 3.0 is more than the block's steps"):
         badam(Toy(), "ascending").load_state_dict(too_many)
+
+
+def test_format_3_block_updates():
+    """Format 3 kept one count of the block's applied updates ("block_updates"): it
+    becomes every tensor's step count; a state dict saved before it existed takes the
+    block's step count, and a count beyond the block's steps is refused."""
+    saved = torch.load(FIXTURES / "badam_format3.pt", weights_only=True)["adamw"]["opt"]
+    extra = saved["param_groups"][0]["badam"]
+    assert extra["version"] == 3 and extra["block_updates"] == extra["block_steps"] == 1
     older = copy.deepcopy(saved)
     del older["param_groups"][0]["badam"]["block_updates"]
-    opt3 = badam(Toy(), "ascending")
-    opt3.load_state_dict(older)
-    assert opt3.state_dict()["param_groups"][0]["badam"]["block_updates"] == 2.0
+    opt = badam(Toy(), "random")
+    opt.load_state_dict(older)
+    assert opt.state and all(float(st["step"]) == 1.0 for st in opt.state.values() if st)
+    too_many = copy.deepcopy(saved)
+    too_many["param_groups"][0]["badam"]["block_updates"] = 3.0
+    with pytest.raises(ValueError, match="block_updates 3.0 is not a count"):
+        badam(Toy(), "random").load_state_dict(too_many)
 
 
 def test_bad_state_dict_raises_and_changes_nothing():
@@ -328,7 +342,7 @@ def test_bad_state_dict_raises_and_changes_nothing():
         schedule_before = state_before["param_groups"][0]["badam"]
         assert torch.equal(schedule.pop("generator"), schedule_before["generator"])
         assert schedule == {k: v for k, v in schedule_before.items() if k != "generator"}
-        assert target.state_bytes() == 8 * other.model.embed_tokens.weight.numel()
+        assert target.state_bytes() == 8 * other.model.embed_tokens.weight.numel() + 4
     target.load_state_dict(good)
     assert target.active_block == "model.layers.0" == opt.active_block
 
@@ -352,7 +366,7 @@ def test_bf16_master_copy():
                 assert st["master"].dtype == torch.float32
                 torch.testing.assert_close(st["master"], m.detach(), rtol=1e-6, atol=1e-7)
                 assert torch.equal(p, st["master"].bfloat16())
-            assert opt.state_bytes() == 12 * sum(p.numel() for p in active)
+            assert opt.state_bytes() == 12 * sum(p.numel() for p in active) + 4 * len(active)
     for p, m in zip(active, masters):
         assert torch.equal(p, m.detach().bfloat16())
     assert opt.state_bytes() == 0
@@ -568,62 +582,53 @@ def test_bad_inner_options_raise_and_change_nothing(kwargs, error, message):
 
 
 def test_inner_frugal_state_is_saved_under_the_model_parameters():
-    from frugal_kernels.optim.badam import _inner_pairs
-
+    """FRUGAL's per-tensor state of the active block is BAdam's own, keyed by the block's
+    parameters (torch.distributed.checkpoint keys them by name): the subsets and their
+    compact moments for the matrices, AdamW's moments for the rest; saving it changes
+    nothing."""
     model = Toy()
     opt = badam(model, "random", **FRUGAL_INNER)
     run_steps(model, opt, 0, SWITCH_EVERY + 1)
     bytes_before = opt.state_bytes()
     sd = opt.state_dict()
-    extra = sd["param_groups"][0]["badam"]
-    # The inner FRUGAL's per-tensor state is in the entries of the block's parameters
-    # (torch.distributed.checkpoint keys them by name); its records stay in "inner_state".
-    assert extra["version"] == 3 and extra["inner_state"]["state"] == {}
-    ids = {id(p): pid for g, s in zip(opt.param_groups, sd["param_groups"])
-           for p, pid in zip(g["params"], s["params"])}
-    inner_sd = opt._inner.state_dict()
-    pairs = _inner_pairs(opt._inner, inner_sd)
-    assert any(inner_sd["state"][ipid] for _, ipid in pairs)
-    for p, ipid in pairs:
-        saved = {k[len("inner_"):]: v for k, v in sd["state"][ids[id(p)]].items()}
-        assert saved.keys() == inner_sd["state"][ipid].keys()
-        for key, value in saved.items():
-            assert torch.equal(value, inner_sd["state"][ipid][key])
-    # Saving leaves the optimizer's own state as it was.
+    assert sd["param_groups"][0]["badam"]["version"] == 4
+    block = opt.param_groups[opt.active_block_index]
+    ids = sd["param_groups"][opt.active_block_index]["params"]
+    assert set(sd["state"]) == set(ids)
+    for p, pid in zip(block["params"], ids):
+        st = sd["state"][pid]
+        if p.dim() >= 2:
+            k = round(FRUGAL_INNER["density"] * p.shape[-1])
+            assert st.keys() == {"exp_avg", "exp_avg_sq", "step", "indices"}
+            assert st["exp_avg"].shape == (p.shape[0], k) == st["exp_avg_sq"].shape
+        else:
+            assert st.keys() == {"exp_avg", "exp_avg_sq", "step"}
+            assert st["exp_avg"].shape == p.shape
     assert opt.state_bytes() == bytes_before
-    assert not any(k.startswith("inner_") for st in opt.state.values() for k in st)
 
 
 def test_inner_frugal_loads_the_format_2_layout():
-    from frugal_kernels.optim.badam import _inner_pairs
-
-    steps, cut = 3 * SWITCH_EVERY + 1, SWITCH_EVERY + 1
-    model = Toy()
-    opt = badam(model, "random", **FRUGAL_INNER)
-    run_steps(model, opt, 0, steps)
-    first = Toy()
-    opt1 = badam(first, "random", **FRUGAL_INNER)
-    run_steps(first, opt1, 0, cut)
-    sd = opt1.state_dict()
-    # Format 2 kept the inner FRUGAL's per-tensor state inside "inner_state".
+    """Format 2 kept the nested FRUGAL's per-tensor state inside "inner_state" (keyed by
+    its own ids: the active block's trained matrices first, then the rest): the format 3
+    fixture rewritten so resumes as exactly."""
+    saved = copy.deepcopy(torch.load(FIXTURES / "badam_format3.pt", weights_only=True)["frugal"])
+    sd = saved["opt"]
     extra = sd["param_groups"][0]["badam"]
-    ids = {id(p): pid for g, s in zip(opt1.param_groups, sd["param_groups"])
-           for p, pid in zip(g["params"], s["params"])}
+    active = extra["epoch"][extra["cursor"]]
+    ids = sd["param_groups"][active]["params"]
+    dims = [p.dim() for p in block_params(Toy(), extra["block_names"][active])]
+    order = [pid for pid, d in zip(ids, dims) if d >= 2] + \
+            [pid for pid, d in zip(ids, dims) if d < 2]
+    inner_ids = [pid for g in extra["inner_state"]["param_groups"] for pid in g["params"]]
     old_state = {}
-    for p, ipid in _inner_pairs(opt1._inner, extra["inner_state"]):
-        st = sd["state"][ids[id(p)]]
-        old_state[ipid] = {k[len("inner_"):]: st.pop(k) for k in list(st)
-                           if k.startswith("inner_")}
+    for pid, inner_pid in zip(order, inner_ids):
+        st = sd["state"].get(pid, {})
+        old_state[inner_pid] = {k[len("inner_"):]: st.pop(k) for k in list(st)
+                                if k.startswith("inner_")}
+    assert any(old_state.values())
     extra["inner_state"] = {**extra["inner_state"], "state": old_state}
     extra["version"] = 2
-    resumed = Toy(seed=5)
-    resumed.load_state_dict(first.state_dict())
-    opt2 = badam(resumed, "random", **FRUGAL_INNER)
-    opt2.load_state_dict(sd)
-    run_steps(resumed, opt2, cut, steps)
-    assert opt2.history == opt.history
-    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
-        assert torch.equal(p, q), name
+    _resumes_exactly(saved, FRUGAL_INNER, torch.float32)
 
 
 # ------------------------------------------------------------ the engine's guarantees
@@ -638,8 +643,13 @@ def test_a_checkpoint_of_format_3_resumes_exactly(case):
     run, saved with the model: loaded into today's BAdam, the run goes on as one that
     never stopped."""
     saved = torch.load(FIXTURES / "badam_format3.pt", weights_only=True)[case]
-    options = FRUGAL_INNER if case == "frugal" else {}
-    dtype = torch.bfloat16 if case == "adamw_bf16" else torch.float32
+    _resumes_exactly(saved, FRUGAL_INNER if case == "frugal" else {},
+                     torch.bfloat16 if case == "adamw_bf16" else torch.float32)
+
+
+def _resumes_exactly(saved, options, dtype):
+    """A "random" run resumed from ``saved`` (its model, optimizer state and cut) goes on
+    as one that never stopped."""
     steps = saved["cut"] + 2 * SWITCH_EVERY
     model = Toy().to(dtype)
     opt = badam(model, "random", **options)
@@ -686,19 +696,20 @@ def test_options_are_checked_as_frugal_checks_them(inner, kwargs, error, message
 
 
 def _badam_state(opt):
+    """The schedule's counts and the per-tensor state (with the step counts)."""
     sd = opt.state_dict()
     extra = sd["param_groups"][0]["badam"]
-    return (extra["steps_taken"], extra["block_steps"], extra["block_updates"],
+    return (extra["steps_taken"], extra["block_steps"],
             {pid: {k: v.clone() for k, v in st.items()} for pid, st in sd["state"].items()})
 
 
 def _assert_same_state(a, b):
-    assert a[:3] == b[:3]
-    assert a[3].keys() == b[3].keys()
-    for pid, st in a[3].items():
-        assert st.keys() == b[3][pid].keys()
+    assert a[:2] == b[:2]
+    assert a[2].keys() == b[2].keys()
+    for pid, st in a[2].items():
+        assert st.keys() == b[2][pid].keys()
         for key, value in st.items():
-            assert torch.equal(value, b[3][pid][key]), (pid, key)
+            assert torch.equal(value, b[2][pid][key]), (pid, key)
 
 
 @pytest.mark.parametrize("inner", ["adamw", "frugal"])
@@ -843,3 +854,58 @@ def test_a_second_badam_over_the_same_model_trains_every_block():
     moved = {name for name, p in model.named_parameters() if not torch.equal(p, start[name][0])}
     assert moved == {"model.layers.0.weight", "model.layers.1.weight", "model.layers.1.bias",
                      "model.layers.2.weight", "model.layers.2.bias"}
+
+
+@pytest.mark.parametrize("inner", ["adamw", "frugal"])
+def test_clip_grad_norm_then_step_equals_torchs_clip_then_step(inner):
+    """BAdam has the engine's clip_grad_norm_: the norm of the active block's gradients,
+    the clip applied inside the next step, equal to torch's clip of the gradients
+    followed by the step, through block switches (the two norms' sums may differ in
+    the last bit; tests/optim/test_clip.py takes torch's factor from our norm and finds
+    the same bits)."""
+    options = FRUGAL_INNER if inner == "frugal" else {}
+    a, b = Toy(), Toy()
+    opt_a, opt_b = badam(a, "random", **options), badam(b, "random", **options)
+    for t in range(3 * SWITCH_EVERY + 1):
+        a.loss(t).backward()
+        norm = opt_a.clip_grad_norm_(0.1)
+        opt_a.step()
+        opt_a.zero_grad()
+        b.loss(t).backward()
+        expected = torch.nn.utils.clip_grad_norm_(
+            [p for p in b.parameters() if p.grad is not None], 0.1)
+        opt_b.step()
+        opt_b.zero_grad()
+        assert float(norm) == pytest.approx(float(expected), rel=1e-6)
+        assert float(norm) > 0.1  # the clip bites
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=(t, name))
+    assert opt_a.history == opt_b.history and len(opt_a.history) == 4
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("inner_steps", -1, "inner_steps must be an int >= 0"),
+    ("inner_last_change", 0, "inner_last_change must be an int >= 1"),
+    ("inner_generator", torch.zeros(3, dtype=torch.uint8), "inner generator state cannot"),
+    ("inner_record", [["active", [7]], ["cursor", 0]], "not sorted unique ids of the block's"),
+    ("inner_record", 3, "inner_record is not a list"),
+])
+def test_a_bad_inner_schedule_is_refused_and_changes_nothing(key, value, message):
+    """inner="frugal"'s schedule in the "badam" entry is checked before anything changes."""
+    blocks = dict(FRUGAL_INNER, projection="blocks")
+    model = Toy()
+    opt = badam(model, "ascending", **blocks)
+    run_steps(model, opt, 0, 1)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["badam"][key] = value
+    other = Toy()
+    target = badam(other, "ascending", **blocks)
+    run_steps(other, target, 0, 1)
+    before, flags = _badam_state(target), snapshot(other)
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(sd)
+    _assert_same_state(_badam_state(target), before)
+    assert target.state_dict()["param_groups"][0]["badam"]["inner_steps"] == 1
+    after = snapshot(other)
+    for name, (value, flag) in flags.items():
+        assert torch.equal(after[name][0], value) and after[name][1] == flag, name

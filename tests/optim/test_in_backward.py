@@ -457,3 +457,109 @@ def test_clip_grad_norm_after_a_step_in_backward_is_refused():
 def test_exported_at_the_top():
     assert fk.step_in_backward is fk.optim.step_in_backward
     assert "step_in_backward" in fk.__all__
+
+
+def test_undoing_the_swap_while_it_steps_in_backward_is_refused_and_changes_nothing():
+    """swap(opt, undo=True) under a live step in backward used to take the swapped step
+    away from under the hooks (a KeyError from inside backward), and remove() then put the
+    swapped step back while is_swapped() said False. It is refused, touching nothing; after
+    remove() the undo works."""
+    from frugal_kernels.optim.swap import is_swapped
+
+    _, params = _grouped(0)
+    _, ref_params = _grouped(0)
+    opt = fk.swap(torch.optim.AdamW(params, **HYPER))
+    ref = fk.swap(torch.optim.AdamW(ref_params, **HYPER))
+    handle = fk.step_in_backward(opt)
+    seq = grad_sequence(params, 3)
+    _backward(params, seq[0])
+    bookkeeping = opt.step
+    with pytest.raises(RuntimeError, match=r"steps in backward.*handle.remove\(\)"):
+        fk.swap(opt, undo=True)
+    assert is_swapped(opt) and handle_of(opt) is handle and opt.step == bookkeeping
+    _backward(params, seq[1])
+    assert handle.steps == 2
+    handle.remove()
+    assert fk.swap(opt, undo=True) is opt and not is_swapped(opt)
+    assert "step" not in opt.__dict__
+    for grads in seq[:2]:
+        _backward(ref_params, grads)
+        ref.step()
+        ref.zero_grad()
+    _assert_equal(params, ref_params)
+    fk.swap(ref, undo=True)
+    for o, ps in ((opt, params), (ref, ref_params)):
+        _backward(ps, seq[2])
+        o.step()
+    _assert_equal(params, ref_params)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Two blocks under reentrant activation checkpointing (what Hugging Face's
+    gradient_checkpointing_enable() uses unless told otherwise) and a frozen head: the
+    first trained tensors to get their gradients are inside a checkpointed region, in a
+    backward pass nested in the outer one."""
+
+    def __init__(self, nested: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.nested = nested  # both blocks in one more checkpoint: backward nested twice
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.head = torch.nn.Linear(16, 4).requires_grad_(False)
+
+    def _blocks(self, h):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            h = checkpoint(lambda t, block=block: torch.tanh(block(t)), h, use_reentrant=True)
+        return h
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        h = checkpoint(self._blocks, h, use_reentrant=True) if self.nested else self._blocks(h)
+        return self.head(h)
+
+
+# The outer checkpoint runs the inner ones without gradients in the forward pass.
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("kind, k, nested", [("frugal", 2, False), ("frugal", 1, False),
+                                             ("frugal", 2, True), ("swap-AdamW", 2, False)])
+def test_reentrant_checkpointing_steps_once_per_backward_pass(kind, k, nested):
+    """Each nested backward of a reentrant checkpoint used to start and end a step of its
+    own: 4 backward passes gave handle.steps == 12, accumulation stepped with partial
+    gradients and update_gap ran three times too fast. The step now ends with the
+    outermost backward pass and equals the ordinary loop."""
+    def build():
+        model = _Checkpointed(nested)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if kind == "frugal":
+            opt = fk.FRUGAL(trained, lr=1e-2, density=0.5, update_gap=2,
+                            projection="columns")
+        else:
+            opt = fk.swap(torch.optim.AdamW(trained, lr=1e-2))
+        return model, opt
+
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen))
+               for _ in range(4 * k)]
+    results = []
+    for in_backward in (False, True):
+        model, opt = build()
+        handle = fk.step_in_backward(opt, accumulation_steps=k) if in_backward else None
+        for t in range(0, len(batches), k):
+            for x, y in batches[t:t + k]:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            assert handle.steps == 4 and handle.micro_batch == 0
+        if kind == "frugal":
+            assert opt._steps_taken == 4
+        results.append((model, opt))
+    (ordinary, ordinary_opt), (model, opt) = results
+    for (name, a), b in zip(ordinary.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    assert_same(opt.state_dict(), ordinary_opt.state_dict())

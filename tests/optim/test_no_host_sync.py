@@ -134,8 +134,8 @@ def _steady(info: OptimizerInfo, warmup: int = 2):
 
 
 def _state_tensors(opt) -> dict:
-    """Every tensor of the optimizer's state (BAdam's inner FRUGAL's and its count of
-    applied updates too), keyed by where it lives, cloned."""
+    """Every tensor of the optimizer's state (the step counts too), keyed by where it
+    lives, cloned."""
     out = {}
     index = {id(p): (gi, i) for gi, g in enumerate(opt.param_groups)
              for i, p in enumerate(g["params"])}
@@ -143,13 +143,6 @@ def _state_tensors(opt) -> dict:
         for key, value in st.items():
             if isinstance(value, torch.Tensor):
                 out[("state", index[id(p)], key)] = value.clone()
-    inner = getattr(opt, "_inner", None)
-    if inner is not None:
-        for key, value in _state_tensors(inner).items():
-            out[("inner",) + key] = value
-    updates = getattr(opt, "_block_updates", None)
-    if updates is not None:
-        out[("block_updates",)] = updates.clone()
     return out
 
 

@@ -350,3 +350,35 @@ def test_a_capture_of_host_step_counts_is_refused_before_anything_changes(monkey
         opt.step()
     assert torch.equal(params[0].detach(), before[0])
     assert torch.equal(opt.state[params[0]]["step"], before[1])
+
+
+@pytest.mark.parametrize("reset", ["step", "step and moments", "fill"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_state_reset_in_place_keeps_each_tensors_own_step_count(reset, fused):
+    """A loop that resets one tensor's state in place (``state["step"].zero_()``, as some do
+    on restarts) keeps the step tensors the swap's split of the group was cached for: the
+    split must see the new count, not step that tensor with another's count."""
+    ref_params, params = make_params(), make_params()
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=fused)
+    opt = swap(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=fused))
+    for o, ps in ((ref, ref_params), (opt, params)):
+        for k in range(6):
+            set_grads(ps, k)
+            if ps[1].grad is None:
+                ps[1].grad = torch.cos(ps[1].detach())
+            o.step()
+        state = o.state[ps[2]]
+        if reset == "fill":
+            state["step"].fill_(2.0)
+        else:
+            state["step"].zero_()
+        if reset == "step and moments":
+            state["exp_avg"].zero_()
+            state["exp_avg_sq"].zero_()
+        for k in range(6, 10):
+            set_grads(ps, k)
+            if ps[1].grad is None:
+                ps[1].grad = torch.cos(ps[1].detach())
+            o.step()
+    assert_same(params, ref_params)
+    assert_same_state(opt, ref)
