@@ -374,10 +374,10 @@ class FRUGAL(FusedOptimizer):
                 raise ValueError(f"param group {gi}: {key} is {group[key]!r} here but "
                                  f"{saved.get(key)!r} in the state dict")
         saved_dtype = self._saved_group(saved)["state_dtype"]
-        if saved_dtype != group["state_dtype"]:
+        if saved_dtype != group.get("state_dtype", "fp32"):
             raise ValueError(f"param group {gi}: the state dict's moments are "
                              f"state_dtype={saved_dtype!r} but this optimizer's are "
-                             f"{group['state_dtype']!r}; build the optimizer with "
+                             f"{group.get('state_dtype', 'fp32')!r}; build the optimizer with "
                              f"state_dtype={saved_dtype!r} to resume from it")
 
     def _load_optimizer_state(self, state_dict: dict) -> None:
@@ -520,7 +520,8 @@ def _check_group(group: dict, where: str, read_device: bool = False) -> None:
         raise ValueError(f"{where}: density must be in [0, 1], got {density!r}")
     check_adamw_options(group, where, read_device)
     check_number(group.get("state_free_lr_scale"), "state_free_lr_scale", where)
-    state_dtype = group.get("state_dtype")
+    # Groups of optimizers without the option (BAdam's inner FRUGAL groups) are fp32.
+    state_dtype = group.get("state_dtype", "fp32")
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{where}: state_dtype must be one of {', '.join(STATE_DTYPES)}; got "
                          f"{state_dtype!r}")

@@ -298,7 +298,7 @@ def _adamw_int8(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
     beta1, beta2 = group["betas"]
     hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=_step_count(bucket), **amp)
+                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"], **amp)
     moments = [[st[key] for st in bucket.states]
                for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
     if calls is unchecked:
