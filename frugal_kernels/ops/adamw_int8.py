@@ -83,6 +83,13 @@ def _prepare_cpu(ext, t) -> Call:
     return call
 
 
+@SPEC.backend("triton")
+def _triton(t, h) -> None:
+    from frugal_kernels.kernels.triton.adamw_int8 import adamw_int8_ as kernel
+
+    SPEC.call(kernel, t, h.values())
+
+
 @SPEC.backend("torch")
 def _torch(t, h) -> None:
     SPEC.call(reference.adamw_int8_, t, h.on_host())
