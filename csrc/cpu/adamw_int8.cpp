@@ -1,10 +1,12 @@
 // adamw_int8_ on the CPU: one pass per block of 8-bit moments (dequantize, AdamW,
 // quantize), blocks of a tensor shared out over the threads in runs.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "frugal/moments8.h"
 #include "kernels.h"
+#include "loops.h"
 #include "parallel.h"
 
 namespace frugal {
@@ -21,6 +23,19 @@ template <typename T>
 void adamw_int8_block(T* __restrict__ p, const T* __restrict__ g, int8_t* __restrict__ m_codes,
                       float* m_scale, uint8_t* __restrict__ v_codes, float* v_scale, int64_t n,
                       const AdamWScalars& scalars) {
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, fp16>) {
+    // fp16 through the fp32 block with F16C's conversions (loops.h, as adamw_ does):
+    // common.h's portable ones are scalar and branchy (an fp16 call took 4x a bf16 one).
+    alignas(64) float pf[kMomentBlock];
+    alignas(64) float gf[kMomentBlock];
+    half_to_float(p, pf, n);
+    half_to_float(g, gf, n);
+    adamw_int8_block<float>(pf, gf, m_codes, m_scale, v_codes, v_scale, n, scalars);
+    float_to_half(pf, p, n);
+    return;
+  }
+#endif
   // A copy: through the reference, every store to p might change the scalars, and the
   // loop would not be vectorised.
   const AdamWScalars s = scalars;
