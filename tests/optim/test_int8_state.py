@@ -185,3 +185,72 @@ def test_adafrugal_takes_the_option():
                        rho_start=1.0, dynamic_rho=False, state_dtype="int8")
     run(opt, params, grad_sequence(params, 2))
     assert opt.state[params[0]]["exp_avg"].dtype == torch.int8
+
+
+# ---------------------------------------------------------------- swap
+
+def swapped_adamw(params, **options):
+    return fk.swap(torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
+                   state_dtype="int8", **options)
+
+
+def test_swapped_adamw_int8_steps_as_frugal_int8():
+    """The same op calls on the same tensors: the swap and FRUGAL's unprojected groups
+    give the same params and codes; large matrices hold 8-bit moments."""
+    params, twin = make_params(), make_params()
+    grads = grad_sequence(params, 5)
+    opt, frugal = swapped_adamw(params), adamw_int8(twin)
+    run(opt, params, grads)
+    run(frugal, twin, grads)
+    for a, b in zip(params, twin):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale"):
+            if key in frugal.state[b]:
+                assert torch.equal(opt.state[a][key], frugal.state[b][key])
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.int8
+    assert opt.state[params[4]]["exp_avg"].dtype == torch.float32  # 1-D
+
+
+def test_swapped_int8_state_dict_resumes_exactly_and_refuses_fp32():
+    params = make_params()
+    grads = grad_sequence(params, 8)
+    opt = swapped_adamw(params)
+    run(opt, params, grads[:4])
+    sd = roundtrip(opt.state_dict())
+    assert sd["param_groups"][0]["state_dtype"] == "int8"
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = swapped_adamw(resumed_params)
+    resumed.load_state_dict(sd)
+    assert resumed.state[resumed_params[0]]["exp_avg"].dtype == torch.int8
+    run(opt, params, grads[4:])
+    run(resumed, resumed_params, grads[4:])
+    for a, b in zip(params, resumed_params):
+        assert torch.equal(a, b)
+    # An fp32 checkpoint (torch's AdamW) into the int8 swap: refused, nothing changes.
+    plain = torch.optim.AdamW(make_params(), lr=1e-2)
+    run(plain, plain.param_groups[0]["params"], grads[:1])
+    before = roundtrip(resumed.state_dict())
+    with pytest.raises(ValueError, match="state_dtype='fp32' but this swapped optimizer's "
+                                         "are 'int8'"):
+        resumed.load_state_dict(plain.state_dict())
+    assert_same(resumed.state_dict(), before)
+
+
+def test_swap_int8_undo_hands_torch_fp32_moments_and_refusals():
+    params = make_params()
+    opt = swapped_adamw(params)
+    run(opt, params, grad_sequence(params, 2))
+    codes = {k: opt.state[params[0]][k].clone() for k in
+             ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")}
+    fk.swap(opt, undo=True)
+    st = opt.state[params[0]]
+    assert st["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in st
+    assert torch.equal(st["exp_avg_sq"], reference.dequantize_moment(
+        codes["exp_avg_sq"], codes["exp_avg_sq_scale"], True))
+    run(opt, params, grad_sequence(params, 1))  # torch's own step
+    with pytest.raises(ValueError, match="an SGD's momentum buffers stay fp32"):
+        fk.swap(torch.optim.SGD(make_params(), lr=0.1, momentum=0.9), state_dtype="int8")
+    with pytest.raises(ValueError, match="swap it before its first step"):
+        fk.swap(opt, state_dtype="int8")
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        fk.swap(torch.optim.AdamW(make_params()), state_dtype="bf16")
