@@ -301,10 +301,20 @@ class QuantLinear(nn.Module):
         self.codes.copy_(_quant.pack(q, self.bits))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight ``s * q`` as a new float tensor (for inspection and export:
-        the layer itself never holds it)."""
-        return ops.dequantize(self.codes, self.scale, bits=self.bits, cols=self.in_features,
-                              dtype=dtype)
+        """The whole weight ``s * q`` as a new float tensor (for inspection and export:
+        the layer itself never holds it).
+
+        Under FSDP2's ``fully_shard`` it is the whole weight too, as an ``nn.Linear``'s
+        ``weight.full_tensor()`` is, and so a collective that every rank of the mesh
+        must call: the ranks all-gather their packed codes (and row scales), never float
+        values. ``layer.weight.to_local().dequantize()`` gives this rank's rows alone."""
+        weight = self.weight
+        if isinstance(weight, QuantWeight):
+            return weight.dequantize(dtype)
+        local = weight.to_local()
+        codes = _as_rows_of(weight, local.codes).full_tensor()
+        scale = _as_rows_of(weight, local.scale).full_tensor() if local.row_scale else local.scale
+        return ops.dequantize(codes, scale, bits=self.bits, cols=self.in_features, dtype=dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, scale: str = "tensor",

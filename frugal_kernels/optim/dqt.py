@@ -84,6 +84,16 @@ class QuantFamily(Projection):
     def fits(self, saved: dict, p: Tensor) -> bool:
         return (self.inner if _quantized(p) else DENSE).fits(saved, p)
 
+    # Under fully_shard the global form of a quantized weight's state is the inner
+    # family's (a column subset's moments are [rows, k], not the weight's shape).
+
+    def global_state(self, st: dict, p: Tensor, layout: sharding.ShardLayout) -> dict:
+        return (self.inner if _quantized(p) else DENSE).global_state(st, p, layout)
+
+    def local_state(self, saved: dict, p: Tensor, layout: sharding.ShardLayout,
+                    device: torch.device) -> dict:
+        return (self.inner if _quantized(p) else DENSE).local_state(saved, p, layout, device)
+
     def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
         if _quantized(p):
             return self.inner.check_saved(saved, p)

@@ -1,5 +1,5 @@
-"""DQT under DistributedDataParallel and under FSDP2 with ``shard_quantized_``: two CPU
-ranks (gloo) against one process on the same global batch, and
+"""DQT under DistributedDataParallel and under FSDP2 (``fully_shard`` alone, and the
+deprecated ``shard_quantized_``): two CPU ranks (gloo) against one process on the same global batch, and
 torch.distributed.checkpoint across 2 -> 2, 2 -> 1 and 1 -> 2 ranks.
 
 The stochastic rounding is keyed by (layer seed, step, element index), so ranks that
@@ -39,10 +39,9 @@ CUT = 2  # checkpoints are taken after CUT steps
 BATCH = 8  # global; each of the two ranks takes half
 # bits=2 with one scale per row (gathered with the codes under FSDP2), bits=4 per tensor.
 CONFIGS = [f"{update}-{bits}" for update in ("adamw", "sign", "frugal") for bits in (4, 2)]
-# Those whose checkpoints under fully_shard alone resume (tested). Not yet update="frugal":
-# torch.distributed.checkpoint reads a [8, 6] chunk of its column-subset exp_avg into a
-# [8, 12] block ("mismatch sizes") at the load.
-CHECKPOINT_CONFIGS = [name for name in CONFIGS if not name.startswith("frugal")]
+# Under fully_shard alone also update="frugal" of whole tensors (projection "blocks"; the
+# others take "columns").
+FULLY_SHARD_CONFIGS = CONFIGS + ["frugal+blocks-4"]
 
 
 class Net(nn.Module):
@@ -65,9 +64,9 @@ class Net(nn.Module):
 
 
 def optimizer(name, model, **options):
-    update = name.split("-")[0]
+    update, _, projection = name.split("-")[0].partition("+")
     return fk.DQT(model.parameters(), lr=2e-2, update=update, density=0.5, update_gap=2,
-                  projection="columns", seed=7, **options)
+                  projection=projection or "columns", seed=7, **options)
 
 
 def batches():
@@ -235,22 +234,24 @@ def _rank(rank, world, port, out):
         train(model, opt, CUT, STEPS, rank, world)
         results[name]["resumed"] = result(model, opt)
 
-        # FSDP2 by fully_shard alone, uninterrupted and through 2 -> 2 and 1 -> 2
-        # checkpoints.
-        model = fully_sharded(Net(name), mesh)
-        opt = optimizer(name, model)
-        train(model, opt, rank=rank, world=world)
-        results[f"fully_shard-{name}"] = result(model, opt)
-        if name in CHECKPOINT_CONFIGS:
-            results[f"fully_shard-{name}"].update(fully_shard_checkpoints(name, mesh, rank,
-                                                                          world, out))
-
         # 1 -> 2: the test process saved after CUT one-process steps.
         model = fsdp(Net(name, seed=5), mesh)
         opt = optimizer(name, model)
         load(model, opt, os.path.join(out, f"{name}-1"))
         train(model, opt, CUT, STEPS, rank, world)
         results[name]["from_one"] = result(model, opt)
+
+    for name in FULLY_SHARD_CONFIGS:
+        # FSDP2 by fully_shard alone, uninterrupted and through 2 -> 2 and 1 -> 2
+        # checkpoints.
+        model = fully_sharded(Net(name), mesh)
+        opt = optimizer(name, model)
+        train(model, opt, rank=rank, world=world)
+        results[f"fully_shard-{name}"] = result(model, opt, dequantized=[
+            (m.dequantize(), m.dequantize(torch.bfloat16), m.weight.full_tensor())
+            for m in model.layers])
+        results[f"fully_shard-{name}"].update(fully_shard_checkpoints(name, mesh, rank,
+                                                                      world, out))
 
     # FRUGAL's rows and randk draw along the rows, which the ranks hold in part.
     results["rows_refused"] = error_of(lambda: fk.DQT(fsdp(Net("frugal-4"), mesh).parameters(),
@@ -344,7 +345,7 @@ def count_shard_collectives(mesh, rank, world):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dqt"))
-    for name in CONFIGS:
+    for name in FULLY_SHARD_CONFIGS:
         model = Net(name)
         opt = optimizer(name, model)
         with one_thread():
@@ -390,7 +391,7 @@ def test_ranks_write_the_codes_of_one_process(runs, name, mode):
     assert any(not torch.equal(a, b) for a, b in zip(rank0["codes"], codes(Net(name)))), key
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", FULLY_SHARD_CONFIGS)
 def test_fully_shard_alone_writes_the_codes_of_one_process(runs, name):
     """FSDP2 with no ignored_params and no shard_quantized_: fully_shard splits the
     QuantWeights by rows, gathers their packed codes through the subclass's hooks, and
@@ -455,6 +456,21 @@ def test_dequantize_gathers_the_whole_weight(runs, name):
         assert torch.equal(got, layer.dequantize())
 
 
+@pytest.mark.parametrize("name", FULLY_SHARD_CONFIGS)
+def test_dequantize_under_fully_shard_gathers_the_whole_weight(runs, name):
+    """As nn.Linear's weight.full_tensor() would: every rank gets the whole weight (the
+    5-row layer's 3 and 2 rows included), in the dtype asked for, not its own rows; and
+    the weight's own full_tensor() is that weight too."""
+    _, ranks = runs
+    model, _ = by_halves(name)
+    for r in ranks:
+        for (fp32, bf16, full), layer in zip(r[f"fully_shard-{name}"]["dequantized"],
+                                             model.layers):
+            assert torch.equal(fp32, layer.dequantize()), name
+            assert torch.equal(bf16, layer.dequantize(torch.bfloat16)), name
+            assert type(full) is torch.Tensor and torch.equal(full, layer.dequantize()), name
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_checkpoint_resumes_on_two_ranks(runs, name):
     _, ranks = runs
@@ -489,10 +505,12 @@ def test_fully_shard_refuses_row_subsets_and_shard_quantized_is_deprecated(runs)
     assert any("fully_shard" in message for message in ranks[0]["deprecated"])
 
 
-@pytest.mark.parametrize("name", CHECKPOINT_CONFIGS)
+@pytest.mark.parametrize("name", FULLY_SHARD_CONFIGS)
 def test_fully_shard_checkpoints_resume_exactly(runs, name):
     """2 ranks -> 2 ranks and 1 process -> 2 ranks through torch.distributed.checkpoint,
-    under fully_shard alone: the uninterrupted run, bit for bit."""
+    under fully_shard alone: the uninterrupted run, bit for bit. update="frugal" too: its
+    column subset's moments are saved as DTensors of [rows, k], not of the weight's
+    shape (which DCP refused at the load: "mismatch sizes [8, 12] vs [8, 6])."""
     _, ranks = runs
     key = f"fully_shard-{name}"
     model, _ = by_halves(name)
@@ -502,6 +520,14 @@ def test_fully_shard_checkpoints_resume_exactly(runs, name):
                             r[key]["codes"] + r[key]["floats"]):
                 assert torch.equal(a, b), (key, what)
     assert_equal_runs(ranks[0][key]["resumed"], model, key)
+
+
+@pytest.mark.parametrize("name", FULLY_SHARD_CONFIGS)
+def test_a_fully_shard_checkpoint_resumes_in_one_process(runs, name):
+    """2 ranks -> 1 process: the DTensors of the ranks' rows load as whole tensors."""
+    out, ranks = runs
+    model, _ = by_halves(name, CUT, path=os.path.join(out, f"fully_shard-{name}-2"))
+    assert_equal_runs(ranks[0][f"fully_shard-{name}"], model, name)
 
 
 def test_refusals(runs):
