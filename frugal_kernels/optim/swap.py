@@ -51,11 +51,12 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from frugal_kernels import ops
-from frugal_kernels._layout import inverse_grad_scale, on_device
+from frugal_kernels import ops, reference
+from frugal_kernels._layout import STATE_DTYPES, inverse_grad_scale, on_device
 from frugal_kernels.optim import sharding
 from frugal_kernels.optim.base import (by_device, clip_factor, clipped_scale,
                                        refuse_clip_in_backward)
+from frugal_kernels.optim.plan import ensure_moments, stores_int8
 from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
@@ -70,9 +71,13 @@ _CALLS = "_frugal_swap_calls"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 # Where clip_grad_norm_ leaves (clip factor, non-finite flag) for the next step.
 _CLIP = "_frugal_swap_clip"
+# Where a swap with state_dtype="int8" keeps the handles of its state dict hooks.
+_INT8_HOOKS = "_frugal_swap_int8_hooks"
+_CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 
-def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> Optimizer:
+def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
+         state_dtype: str = "fp32") -> Optimizer:
     """Make ``optimizer.step`` run on the fused ops; returns the same optimizer.
 
     ``optimizer`` is a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` instance (not
@@ -84,6 +89,14 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
         backend: the backend of the fused ops ("auto" by default, see
             DESIGN.md section 3).
         undo: restore the original step instead.
+        state_dtype: ``"fp32"`` (torch's state), or ``"int8"`` for AdamW / Adam: the
+            moments of tensors of two dims or more and at least 4096 elements as 8-bit
+            codes with block scales (``ops.adamw_int8_``; docs/optimizers.md), under
+            torch's keys (``exp_avg`` int8, ``exp_avg_sq`` uint8) with
+            ``exp_avg_scale`` / ``exp_avg_sq_scale`` beside them. The state dict
+            records it in each group (``"state_dtype"``), and loading one of another
+            state dtype raises a ValueError, the optimizer untouched. ``undo=True``
+            turns the 8-bit moments back into fp32 moments for torch's own step.
 
     Raises:
         TypeError: for an optimizer of another type.
@@ -106,6 +119,9 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
                                "(frugal_kernels.step_in_backward); call handle.remove() "
                                "first, then undo the swap")
         saved = optimizer.__dict__.pop(_SAVED)
+        for handle in optimizer.__dict__.pop(_INT8_HOOKS, ()):
+            handle.remove()
+        _dequantize_state(optimizer)
         optimizer.__dict__.pop(_BACKEND, None)
         optimizer.__dict__.pop(_CALLS, None)
         optimizer.__dict__.pop(_CLIP, None)
@@ -121,6 +137,7 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
     if _SAVED in optimizer.__dict__:
         return optimizer
     _check_groups(optimizer)
+    _check_state_dtype(optimizer, state_dtype)
     group_step = _STEPS[kind]
 
     @torch.no_grad()
@@ -152,6 +169,11 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
     hooked._wrapped_by_lr_sched = True
     optimizer.__dict__[_SAVED] = optimizer.__dict__.get("step")
     optimizer.__dict__[_BACKEND] = backend
+    if state_dtype == "int8":
+        optimizer.__dict__[_INT8_HOOKS] = (
+            optimizer.register_state_dict_post_hook(_record_state_dtype),
+            optimizer.register_load_state_dict_pre_hook(_refuse_other_state_dtype),
+            optimizer.register_load_state_dict_post_hook(_restore_code_dtypes))
     optimizer.step = types.MethodType(hooked, optimizer)
     optimizer.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, optimizer)
     return optimizer
@@ -240,6 +262,62 @@ def _check_groups(optimizer: Optimizer) -> None:
                                  f"({p.grad.layout}); the fused ops take dense gradients")
 
 
+def _check_state_dtype(optimizer: Optimizer, state_dtype: str) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"swap: state_dtype must be one of {', '.join(STATE_DTYPES)}; got "
+                         f"{state_dtype!r}")
+    if state_dtype == "fp32":
+        return
+    if type(optimizer) is torch.optim.SGD:
+        raise ValueError("swap: state_dtype='int8' stores AdamW's moments; an SGD's momentum "
+                         "buffers stay fp32 (leave state_dtype='fp32')")
+    if any(sharding.is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("swap: state_dtype='int8' takes plain tensors; for DTensor "
+                         "parameters (FSDP2) use FRUGAL.from_optimizer(optimizer, "
+                         "state_dtype='int8') with unprojected groups")
+    if any(len(st) for st in optimizer.state.values()):
+        raise ValueError("swap: state_dtype='int8' starts from an optimizer without state "
+                         "(its moments would be fp32); swap it before its first step")
+
+
+def _int8(optimizer: Optimizer) -> bool:
+    return _INT8_HOOKS in optimizer.__dict__
+
+
+def _record_state_dtype(optimizer: Optimizer, state_dict: dict) -> dict:
+    for group in state_dict["param_groups"]:
+        group["state_dtype"] = "int8"
+    return state_dict
+
+
+def _refuse_other_state_dtype(optimizer: Optimizer, state_dict: dict) -> None:
+    for gi, group in enumerate(state_dict["param_groups"]):
+        saved = group.get("state_dtype", "fp32")
+        if saved != "int8":
+            raise ValueError(f"param group {gi}: the state dict's moments are "
+                             f"state_dtype={saved!r} but this swapped optimizer's are 'int8'; "
+                             f"swap it with state_dtype={saved!r} to resume from it")
+
+
+def _restore_code_dtypes(optimizer: Optimizer) -> None:
+    """torch's loader casts every state tensor of a float parameter to its dtype: the
+    codes come back as floats holding integers, which this puts back into int8 / uint8
+    (exactly)."""
+    for state in optimizer.state.values():
+        if "exp_avg_scale" in state:
+            for key, dtype in _CODE_DTYPES.items():
+                state[key] = state[key].to(dtype)
+
+
+def _dequantize_state(optimizer: Optimizer) -> None:
+    """8-bit moments back to fp32 moments (for torch's own step, after an undo)."""
+    for state in optimizer.state.values():
+        if "exp_avg_scale" in state:
+            for key in _CODE_DTYPES:
+                state[key] = reference.dequantize_moment(state[key], state.pop(key + "_scale"),
+                                                         key == "exp_avg_sq")
+
+
 def _with_grads(group: dict, params: Optional[List[Tensor]] = None) -> List[Tensor]:
     """The group's tensors with gradients (of ``params`` only, when given)."""
     return [p for p in (group["params"] if params is None else params) if p.grad is not None]
@@ -270,9 +348,12 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
     for p in with_grads:
         state = optimizer.state[p]
         if len(state) == 0:
+            if _int8(optimizer) and stores_int8({"state_dtype": "int8"}, p):
+                ensure_moments(state, p.shape, p.device, int8=True)
             state["step"] = _new_step(group, p)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     steps = [optimizer.state[p]["step"] for p in with_grads]
     if steps and _capturing() and any(step.device.type == "cpu" for step in steps):
         # The kernels read a host step count when they are launched: a captured step
@@ -290,6 +371,9 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
         # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
         # local blocks of all of them.
         step = optimizer.state[params[0]]["step"]
+        int8 = "exp_avg_scale" in optimizer.state[params[0]]
+        scales = [[optimizer.state[p][key] for p in params]
+                  for key in ("exp_avg_scale", "exp_avg_sq_scale")] if int8 else None
         grads = [local(p.grad) for p in params]
         exp_avgs = [local(optimizer.state[p]["exp_avg"]) for p in params]
         exp_avg_sqs = [local(optimizer.state[p]["exp_avg_sq"]) for p in params]
@@ -307,8 +391,13 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
                 grads = torch._foreach_neg(grads)
             grads = torch._foreach_add(grads, params, alpha=weight_decay)
             kwargs.update(weight_decay=0.0, maximize=False, grad_scale=None)
-        ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1,
-                   beta2=beta2, eps=float(group["eps"]), step=step, backend=backend, **kwargs)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                     step=step, backend=backend, **kwargs)
+        if int8:
+            ops.adamw_int8_(params, grads, exp_avgs, scales[0], exp_avg_sqs, scales[1],
+                            **hyper)
+        else:
+            ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, **hyper)
     if steps and found_inf is not None:
         # Queued after the update: a skipped step takes its count back (on the device).
         for device, device_steps in by_device(steps).items():
@@ -337,9 +426,9 @@ def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
                 all(a is b for a, b in zip(kept[0], steps)) and \
                 kept[1] is not None and kept[1] == _versions(steps):
             return kept[2]
-    calls: Dict[Tuple[torch.device, float], List[Tensor]] = defaultdict(list)
+    calls: Dict[Tuple[torch.device, float, bool], List[Tensor]] = defaultdict(list)
     for p, step in zip(with_grads, steps):
-        calls[(p.device, float(step))].append(p)
+        calls[(p.device, float(step), "exp_avg_scale" in optimizer.state[p])].append(p)
     return list(calls.values())
 
 
