@@ -311,24 +311,36 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
-    from frugal_kernels.lab import demo
-    from frugal_kernels.lab.train import TrainConfig, steps_for_budget
+    from frugal_kernels.lab import demo, finetune
+    from frugal_kernels.lab.train import TrainConfig, check_data, steps_for_budget
     import torch.distributed as dist
 
     # The first rank speaks for a parallel run.
     say = print if parallel is None or dist.get_rank() == 0 else (lambda *a, **k: None)
     resume = _resume(args, parallel)
+    task = (args.task or "pretrain") if resume is None else resume.get("task", "pretrain")
+    rows = finetune.ROWS if task == "finetune" else demo.OPTIMIZERS
+    if resume is not None:
+        args.optimizer = resume["optimizer_name"]
+    if args.optimizer not in rows or rows[args.optimizer].budget_from is not None:
+        trainable = [n for n, entry in rows.items() if entry.budget_from is None]
+        raise CommandLineError(f"--optimizer {args.optimizer} is not a run of --task {task}; "
+                               f"choose from {', '.join(trainable)}")
+    if task == "finetune" and parallel is not None:
+        raise CommandLineError("--task finetune runs in one process, not under torchrun")
     if resume is not None:
         config = TrainConfig(**{**resume["config"], "device": _device(args.device)})
-        args.optimizer = resume["optimizer_name"]
     else:
-        config = dataclasses.replace(_train_config(args, TrainConfig()), parallel=parallel)
+        defaults = finetune.DEFAULTS if task == "finetune" else TrainConfig()
+        config = dataclasses.replace(_train_config(args, defaults), parallel=parallel)
     if parallel is not None and config.batch_size % dist.get_world_size():
         raise CommandLineError(f"--batch-size {config.batch_size} (the global batch) does not "
                                f"split over {dist.get_world_size()} ranks")
-    if resume is None and args.lr is None and args.matrix_lr_ratio is None:
-        config = demo.run_config(config, args.optimizer)  # the demo's tuned lrs, if any
-    if resume is None:
+    # The demo's tuned lrs, if any (fine-tuning runs at the task's one lr: not swept yet).
+    if resume is None and task == "pretrain" and args.lr is None \
+            and args.matrix_lr_ratio is None:
+        config = demo.run_config(config, args.optimizer)
+    if resume is None and args.optimizer in demo.OPTIMIZERS:
         config = demo.row_config(config, args.optimizer)  # a +select row selects
     out = None
     if parallel is None or dist.get_rank() == 0:
@@ -339,7 +351,20 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
     if args.governor_select_trial is not None and (args.flop_budget is None
                                                    or config.select is None):
         raise CommandLineError("--governor-select-trial needs --select and --flop-budget")
-    data = _load_data(config)
+    model = None
+    if task == "finetune":
+        try:
+            if resume is None:  # the base is the start; a resumed run has its weights
+                model, _, _, data = finetune.finetune_setup(
+                    config, args.base_steps or finetune.BASE_STEPS, args.base_cache,
+                    args.rebuild_base, _progress(args))
+            else:
+                data = finetune.finetune_data(config)[1]
+            check_data(data, config)
+        except (ValueError, OSError) as exc:
+            raise CommandLineError(f"--data: {exc}") from None
+    else:
+        data = _load_data(config)
     if resume is None and args.flop_budget is not None:
         governor = {k: v for k, v in (("window", args.governor_window),
                                       ("patience", args.governor_patience),
@@ -357,10 +382,12 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
         if args.steps is None:  # as long as the budget pays for
             config = config.with_steps(budget_steps, warmup_steps=args.warmup_steps,
                                        eval_every=args.eval_every)
-    say(f"frugal-kernels train: {demo.OPTIMIZERS[args.optimizer].label} on the {config.model} "
+    say(f"frugal-kernels train: {rows[args.optimizer].label} on the {config.model} "
         f"model ({config.model_config(data.vocab_size).num_params():,} parameters), "
         f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
         f"{config.device}"
+        + (f", fine-tuning the base of --task finetune on {data.source}"
+           if task == "finetune" else "")
         + (f", under a budget of {config.flop_budget:.4g} FLOPs" if config.flop_budget else "")
         + (f", selecting by {config.select} (keep {config.keep:g} of {config.candidates} "
            "batches)" if config.select else "")
@@ -370,7 +397,8 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
     try:
         metrics = demo.run_train(config, args.optimizer, data=data, out=out,
                                  progress=_progress(args), save_model=args.save_model,
-                                 overwrite=True, resume=resume, log=args.log)
+                                 overwrite=True, resume=resume, log=args.log, model=model,
+                                 rows=rows, task=task)
     except ValueError as exc:  # a peer whose package is missing, a logger not installed
         raise CommandLineError(str(exc)) from None
     run = metrics["runs"][args.optimizer]
@@ -391,7 +419,7 @@ _RUN_OPTIONS = ("model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_rati
                 "warmup_steps", "schedule", "eval_every", "eval_batches", "grad_clip",
                 "weight_decay", "seed", "data", "max_bytes", "flop_budget", "governor_window",
                 "governor_patience", "governor_min_improvement", "governor_select_trial",
-                "select", "keep", "candidates", "data_noise")
+                "select", "keep", "candidates", "data_noise", "task", "base_steps")
 
 
 def _resume(args: argparse.Namespace, parallel: Optional[str]):
@@ -582,8 +610,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "budget is not worth spending; without --steps the run is as long as the "
                     "budget pays for.")
     trainable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
+    trainable += [n for n, entry in finetune.ROWS.items()
+                  if entry.budget_from is None and n not in trainable]
     train_parser.add_argument("--optimizer", type=_choice(trainable),
-                              help="the optimizer (default: adafrugal)")
+                              help="the optimizer (default: adafrugal); lora with --task "
+                                   "finetune only")
+    train_parser.add_argument(
+        "--task", choices=["pretrain", "finetune"],
+        help="pretrain (default): train a fresh model; finetune: fine-tune the base of demo "
+             "--task finetune (pretrained once and cached under --base-cache) on the "
+             "standard library's test modules or on --data, at lr 1e-3 unless --lr")
+    train_parser.add_argument("--base-steps", type=_positive_int,
+                              help=f"--task finetune: steps of the base's pretraining "
+                                   f"(default: {finetune.BASE_STEPS})")
+    train_parser.add_argument("--base-cache", type=Path, default=Path("runs/finetune-base"),
+                              help="--task finetune: folder of the cached bases (default: "
+                                   "runs/finetune-base)")
+    train_parser.add_argument("--rebuild-base", action="store_true",
+                              help="--task finetune: pretrain the base again even if cached")
     train_parser.add_argument("--resume", metavar="CHECKPOINT",
                               type=lambda t: _existing_file(t, "--resume"),
                               help="continue the run whose checkpoint.pt (written at every "

@@ -151,3 +151,30 @@ def test_data_replaces_the_finetuning_domain_not_the_base(tmp_path):
     base, data = finetune.finetune_data(dataclasses.replace(TINY, data=str(tmp_path)))
     assert base.source == "stdlib without tests"
     assert data.source == str(tmp_path) and data.train[:4].tolist() == list(b"fine")
+
+
+def test_the_train_command_fine_tunes_the_cached_base_and_resumes(tmp_path):
+    from frugal_kernels.lab.finetune import base_settings, finetune_data, pretrained_base
+
+    common = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+              "--max-bytes", str(MAX_BYTES), "--device", "cpu", "--quiet",
+              "--base-cache", str(tmp_path / "base")]
+    out = tmp_path / "out"
+    argv = ["train", "--task", "finetune", "--optimizer", "lora", "--steps", "4",
+            "--eval-every", "2", "--base-steps", "2", "--save-model", "--out", str(out), *common]
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["task"] == "finetune" and metrics["data"]["source"] == "stdlib tests"
+    # It started from the cached base: the frozen weights are the base's.
+    config = dataclasses.replace(finetune.DEFAULTS, model="tiny", batch_size=2, seq_len=16,
+                                 eval_batches=1, max_bytes=MAX_BYTES)
+    base, record = pretrained_base(base_settings(config, 2), finetune_data(config)[0],
+                                   tmp_path / "base")
+    assert not record["built"]
+    trained = torch.load(out / "model.pt", weights_only=True)
+    assert torch.equal(trained["lm_head.weight"], base.lm_head.weight)
+    # A resume of the fine-tuning run takes its task from the checkpoint.
+    assert main(["train", "--resume", str(out / "checkpoint.pt"), "--device", "cpu",
+                 "--quiet", "--out", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "metrics.json").read_text())["task"] == "finetune"
+    assert main(["train", "--optimizer", "lora", "--out", str(tmp_path / "no"), *common]) == 2

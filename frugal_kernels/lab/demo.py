@@ -21,9 +21,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
+from torch import nn
 
 from frugal_kernels.lab.corpus import TokenDataset, load_corpus
 from frugal_kernels.lab.output import output_folder
@@ -148,9 +149,12 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
               data: Optional[TokenDataset] = None, out: Optional[Path] = None,
               progress: bool | str = True, save_model: bool = False,
               overwrite: bool = False, resume: Optional[dict[str, Any]] = None,
-              log: Optional[str] = None) -> dict[str, Any]:
-    """``frugal-kernels train``: train a fresh model with the optimizer ``name`` of
-    :data:`OPTIMIZERS`, under the compute governor when ``config.flop_budget`` is set, on
+              log: Optional[str] = None, model: Optional[nn.Module] = None,
+              rows: Optional[Mapping[str, DemoOptimizer]] = None,
+              task: str = "pretrain") -> dict[str, Any]:
+    """``frugal-kernels train``: train ``model`` (default a fresh one) with the optimizer
+    ``name`` of ``rows`` (default :data:`OPTIMIZERS`; ``task`` is recorded in the metrics
+    and the checkpoint, ``"finetune"`` for a base of :mod:`~frugal_kernels.lab.finetune`), under the compute governor when ``config.flop_budget`` is set, on
     ``data`` (default ``load_corpus(config.data)``); write ``metrics.json``, ``train.png``,
     the training checkpoint ``checkpoint.pt`` (at every evaluation: what ``resume`` takes,
     see :func:`~frugal_kernels.lab.train.load_checkpoint`) and, with ``save_model``, the
@@ -163,8 +167,9 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
     Returns the metrics (what ``metrics.json`` holds) with ``"out"`` and ``"files"`` added.
     Ctrl-C writes the metrics of the steps done and raises :class:`Interrupted`.
     """
-    entry = OPTIMIZERS[name]
-    config = row_config(config, name)
+    entry = (OPTIMIZERS if rows is None else rows)[name]
+    if name in OPTIMIZERS:
+        config = row_config(config, name)
     if entry.budget_from is not None:
         raise ValueError(f"{name!r} takes its budget from the {entry.budget_from!r} run; "
                          "train that one, with config.flop_budget for a governed run")
@@ -183,13 +188,14 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
         from frugal_kernels.lab.train import metric_logger
 
         logger = metric_logger(log, Path(out) / log, config, entry.label)
-    model = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
+    if model is None:
+        model = LlamaForCausalLM(config.model_config(data.vocab_size), seed=config.seed)
     checkpoint, saved_at = None, []
     if config.parallel is None:
         def checkpoint(state: dict[str, Any]) -> None:
             # Written beside and renamed over the last one: a kill while writing keeps it.
             partial = Path(out) / "checkpoint.pt.partial"
-            torch.save({**state, "optimizer_name": name}, partial)
+            torch.save({**state, "optimizer_name": name, "task": task}, partial)
             partial.replace(Path(out) / "checkpoint.pt")
             saved_at.append(state["step"])
     started = time.perf_counter()
@@ -206,14 +212,17 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
         if not result.evaluations:
             raise Interrupted(f"{result.stop_reason}, before its first evaluation; nothing "
                               "written")
-        metrics = collect_metrics(config, data, {name: result}, result.wall_time)
+        metrics = collect_metrics(config, data, {name: result}, result.wall_time, rows=rows)
+        metrics["task"] = task
         if first:
             write(metrics, Path(out), "train")
         saved_at += [] if saved_at or resume is None else [int(resume["step"])]
         at = (f"; resume from step {saved_at[-1]} with --resume {Path(out) / 'checkpoint.pt'}"
               if saved_at else "")
         raise Interrupted(f"{result.stop_reason}; wrote the metrics so far to {out}{at}")
-    metrics = collect_metrics(config, data, {name: result}, time.perf_counter() - started)
+    metrics = collect_metrics(config, data, {name: result}, time.perf_counter() - started,
+                              rows=rows)
+    metrics["task"] = task
     files = write(metrics, Path(out), "train") if first else []
     if first and checkpoint is not None:
         files.append(str(Path(out) / "checkpoint.pt"))

@@ -43,7 +43,7 @@ from frugal_kernels.lab.train import RunResult, TrainConfig, _evaluate, lr_group
 from frugal_kernels.model import LlamaForCausalLM
 
 __all__ = ["BASE_STEPS", "DECAY_FRACTION", "DEFAULTS", "DEFAULT_RUNS", "ROWS",
-           "base_settings", "finetune_data", "is_test_module", "lora_rank", "pretrained_base",
+           "base_settings", "finetune_data", "finetune_setup", "is_test_module", "lora_rank", "pretrained_base",
            "run_finetune", "stdlib_split", "table"]
 
 logger = logging.getLogger(__name__)
@@ -225,6 +225,20 @@ def _resolve(names: Sequence[str]) -> list[str]:
     return kept
 
 
+def finetune_setup(config: TrainConfig, base_steps: int = BASE_STEPS,
+                   cache: Optional[Path] = None, rebuild_base: bool = False,
+                   progress: bool | str = True
+                   ) -> tuple[LlamaForCausalLM, dict[str, Any], TokenDataset, TokenDataset]:
+    """What every fine-tuning run starts from: ``(base, its record, the base's data, the
+    fine-tuning data)``, the base pretrained or loaded from ``cache`` (default
+    ``runs/finetune-base``)."""
+    cache = Path(cache) if cache is not None else Path("runs") / "finetune-base"
+    base_data, data = finetune_data(config)
+    base, record = pretrained_base(base_settings(config, base_steps), base_data,
+                                   cache, rebuild=rebuild_base, progress=progress)
+    return base, record, base_data, data
+
+
 def run_finetune(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS,
                  out: Optional[Path] = None, progress: bool | str = True, *,
                  base_steps: int = BASE_STEPS, cache: Optional[Path] = None,
@@ -239,10 +253,8 @@ def run_finetune(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_
     """
     names = _resolve(names)
     out = Path(out) if out is not None else Path("runs") / time.strftime("finetune-%Y%m%d-%H%M%S")
-    cache = Path(cache) if cache is not None else Path("runs") / "finetune-base"
-    base_data, data = finetune_data(config)
-    base, record = pretrained_base(base_settings(config, base_steps), base_data,
-                                   cache, rebuild=rebuild_base, progress=progress)
+    base, record, base_data, data = finetune_setup(config, base_steps, cache, rebuild_base,
+                                                   progress)
     device = torch.device(config.device)
     base_val = base_data.validation_batches(config.batch_size, config.seq_len,
                                             num_batches=config.eval_batches, device=device)

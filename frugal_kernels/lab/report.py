@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -23,16 +23,18 @@ __all__ = ["BUDGETS", "FAR", "collect_metrics", "table"]
 def collect_metrics(config: TrainConfig, data: TokenDataset, results: dict[str, RunResult],
                     wall_time: float,
                     tuned: Optional[dict[str, Optional[dict[str, Any]]]] = None,
-                    planned: Optional[Sequence[str]] = None) -> dict[str, Any]:
+                    planned: Optional[Sequence[str]] = None,
+                    rows: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """What ``metrics.json`` holds: the machine, the data, the settings and every run;
     ``tuned`` (per run) the tuned.json record its learning rates came from; ``planned`` the
-    runs the demo was to train, of which ``results`` are those finished so far."""
+    runs the demo was to train, of which ``results`` are those finished so far; ``rows``
+    the registry the runs' names come from (default the demo's)."""
     from frugal_kernels.bench.fingerprint import fingerprint
 
     tuned = tuned or {}
     runs = {}
     for name, result in results.items():
-        entry = OPTIMIZERS[name]
+        entry = (OPTIMIZERS if rows is None else rows)[name]
         run = {"label": entry.label, "color": entry.color,
                "budget_from": entry.budget_from, "tuned": tuned.get(name),
                **result.to_dict()}
