@@ -41,7 +41,8 @@ from frugal_kernels.optim.sharding import ShardLayout, local
 unchecked = ops.unchecked
 
 __all__ = ["ADAMW", "ADAMW_INT8", "ADAMW_INT8_MASTER", "ADAMW_MASTER", "INT8_MIN_NUMEL",
-           "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "adamw_assignment", "build", "ensure_moments", "stores_int8",
+           "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "adamw_assignment", "build",
+           "ensure_moments", "stores_int8",
            "release", "run", "signature", "single", "pack_step_counters"]
 
 
