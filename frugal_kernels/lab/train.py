@@ -727,7 +727,9 @@ def train(
                     loss.backward(retain_graph=True)
             loss.backward()
             if config.grad_clip is not None and in_backward is None:
-                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                # Ours read the gradients once and apply the factor inside the step;
+                # torch's optimizers get torch's clip.
+                surface.clip_grad_norm_(config.grad_clip)
             _synchronize(device)
             t_opt = time.perf_counter()
             opt.step()
