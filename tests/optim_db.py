@@ -233,6 +233,37 @@ OPTIMIZERS = OPTIMIZERS + tuple(
 )
 
 
+def _int8_layered_model(seed: int) -> Model:
+    """Three layers (BAdam's default blocks), each of a matrix large enough for 8-bit moments
+    (a partial block in each row), a small matrix and a bias (fp32 moments)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for _ in range(3):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(64, 80, generator=gen))
+        layer.small = torch.nn.Parameter(torch.randn(6, 5, generator=gen))
+        layer.bias = torch.nn.Parameter(torch.randn(64, generator=gen))
+        model.layers.append(layer)
+    return model, list(model.parameters())
+
+
+# BAdam with 8-bit moments (state_dtype="int8"): the active block's AdamW state, and
+# inner="frugal"'s whole-tensor state (projection="blocks"), through ops.adamw_int8_.
+OPTIMIZERS = OPTIMIZERS + tuple(
+    OptimizerInfo(name=name, make_model=_int8_layered_model,
+                  factory=_badam("random", state_dtype="int8", **inner),
+                  resumed_attributes=("history", "active_block"),
+                  misfits=(Misfit("other state_dtype", _other_state_dtype,
+                                  "state_dtype='fp32'"),),
+                  trained=lambda opt: opt.param_groups[opt.active_block_index]["params"],
+                  add_param_group_refused="param groups are its blocks",
+                  in_backward_options=_IN_BACKWARD)
+    for name, inner in (("BAdam-int8", {}),
+                        ("BAdam-frugal-int8", dict(inner="frugal", density=0.5,
+                                                   projection="blocks", update_gap=3))))
+
+
 def _quant_model(seed: int) -> Model:
     """Three QuantLinear layers (4 bits per-row scales, 3 bits, ternary) and their biases.
     The scales do not depend on ``seed`` (the step never changes them), so that two

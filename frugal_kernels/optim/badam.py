@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from frugal_kernels._layout import STATE_DTYPES
 from frugal_kernels.optim import plan
 from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check_int
 from frugal_kernels.optim.frugal import FRUGAL, _check_group as _check_frugal_group
@@ -150,6 +151,14 @@ class BAdam(FusedOptimizer):
             or an infinity: ``"skip"`` (default; decided on the device, no host
             sync), ``"raise"`` (one host sync per step) or ``"propagate"``, as for
             :class:`frugal_kernels.FRUGAL` (see :meth:`FusedOptimizer.step`).
+        state_dtype: how the active block's AdamW moments are stored: ``"fp32"``, or
+            ``"int8"`` (:func:`frugal_kernels.ops.adamw_int8_`: 8-bit codes with an
+            fp32 scale per block of 256 elements along each tensor's rows), as
+            FRUGAL's ``state_dtype``: tensors of fewer than 4096 elements and 1-D
+            tensors keep fp32 moments. With ``inner="frugal"`` it takes
+            ``projection="blocks"`` (the other projections' fused steps take fp32
+            moments). A checkpoint loads only into a BAdam of its own
+            ``state_dtype``.
 
     bf16 / fp16 parameters get an fp32 master copy for the active block only
     (``state["master"]``, 4 bytes per active parameter beside the 8 of the moments,
@@ -187,13 +196,15 @@ class BAdam(FusedOptimizer):
         backend: str = "auto",
         inner: str = "adamw",
         nonfinite: str = "skip",
+        state_dtype: str = "fp32",
         **frugal_options: Any,
     ):
         # Everything is checked before any parameter is touched, as FRUGAL checks it.
         _check_switch_every(switch_every)
         _check_inner(inner, frugal_options)
         self.inner = inner
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        state_dtype=state_dtype)
         if inner == "frugal":
             options = {**_FRUGAL_DEFAULTS, **frugal_options}
             check_int(options["update_gap"], "update_gap")
@@ -316,6 +327,15 @@ class BAdam(FusedOptimizer):
             _check_frugal_group(group, where, read_device)
         else:
             check_adamw_options(group, where, read_device)
+        _check_state_dtype(group, where, self.inner)
+
+    def _check_saved_group(self, gi: int, saved: dict, group: dict) -> None:
+        saved_dtype, dtype = saved["state_dtype"], group.get("state_dtype", "fp32")
+        if saved_dtype != dtype:
+            raise ValueError(f"block {group['block']!r}: the state dict's moments are "
+                             f"state_dtype={saved_dtype!r} but this optimizer's are {dtype!r}; "
+                             f"build the BAdam with state_dtype={saved_dtype!r} to resume "
+                             "from it")
 
     def _family(self, group: dict) -> Projection:
         return _COMPOSED[group["projection"]] if self.inner == "frugal" else DENSE_MASTER
@@ -595,9 +615,11 @@ class BAdam(FusedOptimizer):
     def _upgraded(self, state_dict: dict, extra: dict) -> dict:
         """``state_dict`` as format 4 holds it (checked "badam" entry ``extra``), for the
         engine's load: every group with the options a group of this optimizer has (older
-        formats lack inner="frugal"'s), the per-tensor state with its step counts."""
+        formats lack inner="frugal"'s; a group saved before ``state_dtype`` existed held
+        fp32 moments), the per-tensor state with its step counts."""
         saved_groups = state_dict["param_groups"]
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, **saved}
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "state_dtype": "fp32",
+                   **saved}
                   for group, saved in zip(self.param_groups, saved_groups)]
         groups[0] = {**groups[0], "badam": extra}
         state = state_dict["state"]
@@ -802,6 +824,17 @@ def _check_inner(inner: str, frugal_options: dict) -> None:
     if frugal_options and inner != "frugal":
         raise ValueError(f"{', '.join(sorted(frugal_options))} are options of inner='frugal', "
                          f"not of inner={inner!r}")
+
+
+def _check_state_dtype(group: dict, where: str, inner: str) -> None:
+    state_dtype = group.get("state_dtype", "fp32")
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"{where}: state_dtype must be one of {', '.join(STATE_DTYPES)}; got "
+                         f"{state_dtype!r}")
+    if state_dtype == "int8" and inner == "frugal" and group["projection"] != "blocks":
+        raise ValueError(f"{where}: state_dtype='int8' keeps 8-bit moments for whole tensors "
+                         "(inner='adamw', or inner='frugal' with projection='blocks'); the "
+                         f"fused step of projection={group['projection']!r} takes fp32 moments")
 
 
 def _check_switch_every(value: Any) -> None:

@@ -154,6 +154,11 @@ class DQT(FRUGAL):
         lr, betas, eps, weight_decay, density, update_gap, projection,
         state_free, state_free_lr_scale, reset_state, block_order, seed,
         backend, nonfinite: as for :class:`frugal_kernels.FRUGAL`.
+        state_dtype: ``"fp32"`` only: ``"int8"`` raises a ValueError. The quantized
+            weights' AdamW moments are read and written inside ``dqt_update_``'s
+            fused pass, which takes fp32 moments; 8-bit moments there need a
+            variant of that op (codes and block scales, as ``adamw_int8_`` takes),
+            which does not exist yet.
 
     Under DDP every rank steps the whole weights with the averaged gradient and
     writes the same codes. Under FSDP2 (``fully_shard``, or the deprecated
@@ -197,6 +202,7 @@ class DQT(FRUGAL):
         seed: int = 0,
         backend: str = "auto",
         nonfinite: str = "skip",
+        state_dtype: str = "fp32",
     ):
         if bits is not None:
             _quant.check_bits(bits, "DQT")
@@ -206,7 +212,7 @@ class DQT(FRUGAL):
                          density=density, update_gap=update_gap, projection=projection,
                          state_free=state_free, state_free_lr_scale=state_free_lr_scale,
                          reset_state=reset_state, block_order=block_order, seed=seed,
-                         backend=backend, nonfinite=nonfinite)
+                         backend=backend, nonfinite=nonfinite, state_dtype=state_dtype)
         self.defaults["update"] = update
 
     @property
@@ -230,6 +236,11 @@ class DQT(FRUGAL):
         super().add_param_group(group)
 
     def _check_group(self, group: dict, where: str, read_device: bool = False) -> None:
+        if group.get("state_dtype") == "int8":
+            raise ValueError(f"{where}: DQT takes state_dtype='fp32' only: dqt_update_ "
+                             "updates the quantized weights' AdamW moments in fp32 inside its "
+                             "fused pass, and has no variant on 8-bit moments (int8 codes with "
+                             "block scales, as adamw_int8_ takes) yet")
         super()._check_group(group, where, read_device)
         update = group.get("update", self._update)
         if update not in UPDATES:

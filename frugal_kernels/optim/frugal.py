@@ -524,7 +524,6 @@ def _check_group(group: dict, where: str, read_device: bool = False) -> None:
         raise ValueError(f"{where}: density must be in [0, 1], got {density!r}")
     check_adamw_options(group, where, read_device)
     check_number(group.get("state_free_lr_scale"), "state_free_lr_scale", where)
-    # Groups of optimizers without the option (BAdam's inner FRUGAL groups) are fp32.
     state_dtype = group.get("state_dtype", "fp32")
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{where}: state_dtype must be one of {', '.join(STATE_DTYPES)}; got "

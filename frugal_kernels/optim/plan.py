@@ -40,8 +40,9 @@ from frugal_kernels.optim.sharding import ShardLayout, local
 
 unchecked = ops.unchecked
 
-__all__ = ["ADAMW", "ADAMW_INT8", "ADAMW_MASTER", "INT8_MIN_NUMEL", "STATE_FREE", "Assignment",
-           "Bucket", "RUNNERS", "adamw_assignment", "build", "ensure_moments", "stores_int8",
+__all__ = ["ADAMW", "ADAMW_INT8", "ADAMW_INT8_MASTER", "ADAMW_MASTER", "INT8_MIN_NUMEL",
+           "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "adamw_assignment", "build",
+           "ensure_moments", "stores_int8",
            "release", "run", "signature", "single", "pack_step_counters"]
 
 
@@ -57,7 +58,8 @@ class Assignment:
     ``"adamw_int8"`` is ``"adamw"`` on 8-bit moments (``ops.adamw_int8_``: codes in
     ``exp_avg`` / ``exp_avg_sq``, their block scales in ``exp_avg_scale`` /
     ``exp_avg_sq_scale``); ``"adamw_master"`` is AdamW on an fp32 master copy (``state["master"]``) of a
-    bf16 / fp16 tensor, rounded into it after every call (BAdam's). DQT's
+    bf16 / fp16 tensor, rounded into it after every call (BAdam's), and
+    ``"adamw_int8_master"`` the same on 8-bit moments. DQT's
     quantized weights take ``"dqt_adamw"``, ``"dqt_state_free"`` and
     ``"dqt_subset"``: the same three splits applied to their packed codes by
     one ``dqt_update_`` call. Tensors whose assignments are equal can share an
@@ -79,6 +81,7 @@ class Assignment:
 ADAMW = Assignment("adamw")
 ADAMW_INT8 = Assignment("adamw_int8")
 ADAMW_MASTER = Assignment("adamw_master")
+ADAMW_INT8_MASTER = Assignment("adamw_int8_master")
 STATE_FREE = Assignment("state_free")
 
 
@@ -308,13 +311,15 @@ def _adamw_int8(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     calls.adamw_int8_(params, grads, *moments, backend=backend, **hyper)
 
 
-def _adamw_master(bucket: Bucket, params, grads, backend, calls, amp) -> None:
-    """AdamW on the fp32 master copies of bf16 / fp16 params, from their gradients read
-    into fp32 (a copy of each, for the call), the result rounded into the params. A
-    skipped call (found_inf) leaves the masters as they were, so the params too."""
-    masters = [st["master"] for st in bucket.states]
-    _adamw(bucket, masters, [g.float() for g in grads], backend, calls, amp)
-    torch._foreach_copy_(params, masters)
+def _on_masters(runner: Callable[..., None]) -> Callable[..., None]:
+    """``runner`` applied to the fp32 master copies of bf16 / fp16 params, from their
+    gradients read into fp32 (a copy of each, for the call), the result rounded into the
+    params. A skipped call (found_inf) leaves the masters as they were, so the params too."""
+    def on_masters(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+        masters = [st["master"] for st in bucket.states]
+        runner(bucket, masters, [g.float() for g in grads], backend, calls, amp)
+        torch._foreach_copy_(params, masters)
+    return on_masters
 
 
 def _state_free(bucket: Bucket, params, grads, backend, calls, amp) -> None:
@@ -502,7 +507,8 @@ RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], str, Any, dict]
                             None]] = {
     "adamw": _adamw,
     "adamw_int8": _adamw_int8,
-    "adamw_master": _adamw_master,
+    "adamw_master": _on_masters(_adamw),
+    "adamw_int8_master": _on_masters(_adamw_int8),
     "state_free": _state_free,
     "subset": _subset,
     "lowrank": _lowrank,

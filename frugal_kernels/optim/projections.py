@@ -33,8 +33,9 @@ from frugal_kernels._layout import (LEFT, MomentBlocks, lowrank_dim, lowrank_sid
                                     matrix_shape, projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
 from frugal_kernels.optim import subspace
-from frugal_kernels.optim.plan import (ADAMW, ADAMW_MASTER, STATE_FREE, Assignment,
-                                       adamw_assignment, ensure_moments, stores_int8)
+from frugal_kernels.optim.plan import (ADAMW_INT8, ADAMW_INT8_MASTER, ADAMW_MASTER, STATE_FREE,
+                                       Assignment, adamw_assignment, ensure_moments,
+                                       stores_int8)
 from frugal_kernels.optim.sharding import SHARDED_KEYS, ShardLayout, is_sharded, local
 
 __all__ = ["DENSE", "DENSE_MASTER", "FAMILIES", "Blocks", "CoordinateSubset", "Dense",
@@ -131,18 +132,19 @@ class Dense(Projection):
 class DenseMaster(Dense):
     """Every coordinate state-full, a bf16 / fp16 tensor updated on an fp32 master copy
     (``state["master"]``, made with its moments) that is rounded into it after every
-    step (BAdam's ``inner="adamw"``); float32 tensors as :class:`Dense`."""
+    step (BAdam's ``inner="adamw"``); float32 tensors as :class:`Dense`. The moments are
+    fp32 or 8-bit as :class:`Dense` makes them (the group's ``state_dtype``)."""
 
     state_keys = ("master",)
 
     def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
         st = sub.state[p]
-        super().assign(sub, i, p)
+        rule = super().assign(sub, i, p)
         if p.dtype == torch.float32:
-            return ADAMW
+            return rule
         if "master" not in st:
             st["master"] = local(p.detach()).float().contiguous()
-        return ADAMW_MASTER
+        return ADAMW_INT8_MASTER if rule == ADAMW_INT8 else ADAMW_MASTER
 
     def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
         master = saved.get("master")

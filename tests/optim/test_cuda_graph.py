@@ -36,7 +36,8 @@ WARMUP, REPLAYS = 3, 4
 STEADY = {"FRUGAL": {"update_gap": 10**6},
           "AdaFRUGAL": {"update_gap": 10**6, "update_gap_max": 10**6, "rho_end": 0.5},
           "BAdam": {"switch_every": 10**6},
-          "BAdam-frugal": {"switch_every": 10**6, "update_gap": 10**6}}
+          "BAdam-frugal": {"switch_every": 10**6, "update_gap": 10**6},
+          "BAdam-frugal-int8": {"switch_every": 10**6, "update_gap": 10**6}}
 
 
 def _steady(info) -> dict:

@@ -254,3 +254,193 @@ def test_swap_int8_undo_hands_torch_fp32_moments_and_refusals():
         fk.swap(opt, state_dtype="int8")
     with pytest.raises(ValueError, match="state_dtype must be one of"):
         fk.swap(torch.optim.AdamW(make_params()), state_dtype="bf16")
+
+
+# ---------------------------------------------------------------- BAdam
+
+class Layers(torch.nn.Module):
+    """Three layers named as BAdam's default blocks, each a matrix large enough for 8-bit
+    moments (a partial block in each row), a small matrix and a bias (fp32 moments)."""
+
+    def __init__(self, seed=0, dtype=torch.float32):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(3):
+            layer = torch.nn.Module()
+            layer.weight = torch.nn.Parameter(torch.randn(64, 80, generator=gen).to(dtype))
+            layer.small = torch.nn.Parameter(torch.randn(8, 8, generator=gen).to(dtype))
+            layer.bias = torch.nn.Parameter(torch.randn(64, generator=gen).to(dtype))
+            self.layers.append(layer)
+
+
+def badam_int8(model, **options):
+    return fk.BAdam(model, **HYPER, switch_every=3, switch_mode="ascending",
+                    state_dtype="int8", **options)
+
+
+def grads_at(params, t):
+    """Step ``t``'s gradients of ``params``."""
+    gen = torch.Generator().manual_seed(100 + t)
+    return [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+
+
+def train(model, opt, start, stop):
+    """Steps ``start .. stop - 1``, each with gradients of its own for the active block."""
+    for t in range(start, stop):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        set_grads(trained, grads_at(trained, t))
+        opt.step()
+
+
+def test_badam_int8_is_frugal_int8_on_the_active_block():
+    """Each block's run equals an unprojected FRUGAL with state_dtype="int8" built over that
+    block at its switch: the same adamw_int8_ calls (8-bit moments for the large matrix,
+    fp32 for the small one and the bias), so the same bits."""
+    model, ref = Layers(), Layers()
+    opt = badam_int8(model)
+    ref_opt = None
+    for t in range(8):
+        block = opt.param_groups[opt.active_block_index]["params"]
+        active = ref.layers[opt.active_block_index].parameters()
+        if t % 3 == 0:
+            ref_opt = fk.FRUGAL([{"params": list(active), "projected": False}], **HYPER,
+                                state_dtype="int8")
+        grads = grads_at(block, t)
+        set_grads(block, grads)
+        opt.step()
+        set_grads(ref_opt.param_groups[0]["params"], grads)
+        ref_opt.step()
+        for p, q in zip(block, ref_opt.param_groups[0]["params"]):
+            assert torch.equal(p, q), t
+        if t % 3 != 2:  # before the switch drops the block's state
+            weight = block[0]
+            assert opt.state[weight]["exp_avg"].dtype == torch.int8
+            assert torch.equal(opt.state[weight]["exp_avg_sq"],
+                               ref_opt.state[ref_opt.param_groups[0]["params"][0]]["exp_avg_sq"])
+            assert opt.state[block[2]]["exp_avg"].dtype == torch.float32
+
+
+def test_badam_int8_state_bytes_count_codes_and_scales():
+    model = Layers()
+    opt = badam_int8(model)
+    train(model, opt, 0, 1)
+    blocks = MomentBlocks((64, 80))
+    want = 2 * 64 * 80 + 2 * 4 * blocks.rows * blocks.per_row + 8 * (8 * 8 + 64) + 3 * 4
+    assert opt.state_bytes() == want
+    fp32_model = Layers()
+    fp32 = fk.BAdam(fp32_model, **HYPER, switch_mode="ascending")
+    train(fp32_model, fp32, 0, 1)
+    assert fp32.state_bytes() == 8 * (64 * 80 + 8 * 8 + 64) + 3 * 4
+    assert opt.state_bytes() < 0.4 * fp32.state_bytes()
+
+
+def test_badam_int8_bf16_master_copy():
+    """bf16 parameters: AdamW on the fp32 master copy with 8-bit moments (adamw_int8_ as the
+    reference computes it), rounded into the parameter."""
+    model = Layers(dtype=torch.bfloat16)
+    opt = badam_int8(model)
+    weight = model.layers[0].weight
+    master = weight.detach().float().clone()
+    b = MomentBlocks(weight.shape)
+    moments = (torch.zeros(weight.shape, dtype=torch.int8), torch.zeros(b.scale_shape),
+               torch.zeros(weight.shape, dtype=torch.uint8), torch.zeros(b.scale_shape))
+    for step in range(1, 3):
+        train(model, opt, step, step + 1)
+        reference.adamw_int8_([master], [weight.grad.float()], *([t] for t in moments),
+                              lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                              step=step)
+        st = opt.state[weight]
+        assert torch.equal(st["master"], master) and torch.equal(weight, master.bfloat16())
+        assert torch.equal(st["exp_avg"], moments[0]) and torch.equal(st["exp_avg_sq"],
+                                                                      moments[2])
+    # codes, scales, the master copy and the step count of the large matrix
+    assert opt.state_bytes() == (2 + 4) * 64 * 80 + 2 * 4 * b.rows * b.per_row + 4 + \
+        (8 + 4) * (8 * 8 + 64) + 2 * 4
+
+
+@pytest.mark.parametrize("options", [dict(), dict(inner="frugal", density=0.5, update_gap=2)],
+                         ids=["adamw", "frugal-blocks"])
+def test_badam_int8_resumes_exactly_across_a_block_switch(options):
+    steps, cut = 10, 4  # the cut inside the second block; two switches after it
+    model = Layers()
+    opt = badam_int8(model, **options)
+    train(model, opt, 0, steps)
+
+    first = Layers()
+    opt1 = badam_int8(first, **options)
+    train(first, opt1, 0, cut)
+    checkpoint = roundtrip({"model": first.state_dict(), "opt": opt1.state_dict()})
+    assert all(g["state_dtype"] == "int8" for g in checkpoint["opt"]["param_groups"])
+    assert any(st.get("exp_avg", torch.empty(0)).dtype == torch.int8
+               for st in checkpoint["opt"]["state"].values())
+    resumed = Layers(seed=3)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = badam_int8(resumed, **options)
+    opt2.load_state_dict(checkpoint["opt"])
+    assert_same(roundtrip(opt2.state_dict()), roundtrip(opt1.state_dict()))
+    train(resumed, opt2, cut, steps)
+    assert opt2.history == opt.history and len(opt.history) >= 4
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    assert_same(roundtrip(opt2.state_dict()), roundtrip(opt.state_dict()))
+
+
+@pytest.mark.parametrize("saved,loading", [("int8", "fp32"), ("fp32", "int8")])
+def test_badam_refuses_a_checkpoint_of_another_state_dtype(saved, loading):
+    source_model = Layers()
+    source = fk.BAdam(source_model, **HYPER, switch_every=3, state_dtype=saved)
+    train(source_model, source, 0, 2)
+    sd = roundtrip(source.state_dict())
+    model = Layers(seed=1)
+    target = fk.BAdam(model, **HYPER, switch_every=3, state_dtype=loading)
+    train(model, target, 0, 1)
+    before = roundtrip(target.state_dict())
+    flags = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(ValueError, match=f"the state dict's moments are state_dtype='{saved}' "
+                                         f"but this optimizer's are '{loading}'"):
+        target.load_state_dict(sd)
+    assert_same(roundtrip(target.state_dict()), before)
+    assert [p.requires_grad for p in model.parameters()] == flags
+    train(model, target, 1, 2)  # still steps with its own state
+
+
+def test_badam_checkpoint_without_the_option_is_fp32():
+    model = Layers()
+    opt = fk.BAdam(model, **HYPER, switch_every=3, switch_mode="ascending")
+    train(model, opt, 0, 1)
+    sd = roundtrip(opt.state_dict())
+    for group in sd["param_groups"]:
+        del group["state_dtype"]
+    with pytest.raises(ValueError, match="state_dtype='fp32' but this optimizer's are 'int8'"):
+        badam_int8(Layers()).load_state_dict(sd)
+    fk.BAdam(Layers(), **HYPER, switch_every=3, switch_mode="ascending").load_state_dict(sd)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(state_dtype="fp8"), "state_dtype must be one of fp32, int8"),
+    (dict(state_dtype="int8", inner="frugal", projection="columns"),
+     "the fused step of projection='columns' takes fp32 moments"),
+])
+def test_badam_state_dtype_options_refused_before_anything_changes(options, message):
+    model = Layers()
+    flags = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(ValueError, match=message):
+        fk.BAdam(model, **options)
+    assert [p.requires_grad for p in model.parameters()] == flags
+
+
+# ---------------------------------------------------------------- DQT
+
+def test_dqt_refuses_int8_naming_the_missing_op():
+    from frugal_kernels.nn import QuantLinear
+
+    layer = QuantLinear(10, 12, bits=4)
+    with pytest.raises(ValueError, match="DQT takes state_dtype='fp32' only: dqt_update_"):
+        fk.DQT(layer.parameters(), state_dtype="int8")
+    with pytest.raises(ValueError, match="DQT takes state_dtype='fp32' only"):
+        fk.DQT(layer.parameters(), update="sign", state_dtype="int8")
+    opt = fk.DQT([layer.weight])
+    with pytest.raises(ValueError, match="DQT takes state_dtype='fp32' only"):
+        opt.add_param_group({"params": [layer.bias], "state_dtype": "int8"})
+    assert len(opt.param_groups) == 1
