@@ -186,6 +186,26 @@ def on_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
 
 # ---------------------------------------------------------------- memory
 
+def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a size-0 dim counts as 1, as
+    torch's own strides do)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def all_gather_into(out: Tensor, block: Tensor, group: object) -> None:
+    """Every rank's equal-sized ``block`` of ``group``, concatenated along dim 0 into
+    ``out``: the one place that knows torch's name for it."""
+    import torch.distributed as dist
+
+    # torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, block, group=group)
+
+
 def row_chunk(n: int, num_shards: int, shard_rank: int) -> Tuple[int, int]:
     """(offset, size) of shard ``shard_rank`` of ``n`` rows split as ``torch.chunk`` and
     DTensor's ``Shard(0)`` split them: ``ceil(n / num_shards)`` rows each, the last

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from frugal_kernels import ops
-from frugal_kernels._layout import row_chunk
+from frugal_kernels._layout import all_gather_into, contiguous_stride, row_chunk
 from frugal_kernels.nn.quant_linear import (QuantLinear, QuantWeight, grad_input, grad_weight,
                                             linear_forward)
 
@@ -72,7 +72,7 @@ class RowShard:
         padded = block.new_zeros((self.padded, *block.shape[1:]))
         padded[:block.shape[0]] = block
         out = block.new_empty((self.num_shards * self.padded, *block.shape[1:]))
-        _all_gather(out, padded, self.group)
+        all_gather_into(out, padded, self.group)
         return out[:self.rows]
 
     def reduce_scatter_mean(self, whole: Tensor) -> Tensor:
@@ -93,13 +93,8 @@ class RowShard:
         rank is ``block``: sharded on dim 0 over the mesh. No communication."""
         from torch.distributed.tensor import DTensor, Shard
 
-        shape = torch.Size(shape)
-        stride, step = [], 1
-        for n in reversed(shape):
-            stride.append(step)
-            step *= max(n, 1)
-        return DTensor.from_local(block, self.mesh, (Shard(0),), run_check=False, shape=shape,
-                                  stride=tuple(reversed(stride)))
+        return DTensor.from_local(block, self.mesh, (Shard(0),), run_check=False,
+                                  shape=torch.Size(shape), stride=contiguous_stride(shape))
 
     def block_of(self, value: Tensor) -> Tensor:
         """This rank's rows of ``value``, a global-form tensor of ``rows`` rows: a
@@ -114,12 +109,6 @@ class RowShard:
         if value.dim() == 0 or value.shape[0] != self.rows:
             return value  # the module's own check names the mismatch
         return value.narrow(0, self.offset, self.size)
-
-
-def _all_gather(out: Tensor, block: Tensor, group: object) -> None:
-    # torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, block, group=group)
 
 
 class _ShardedQuantLinearFunction(torch.autograd.Function):

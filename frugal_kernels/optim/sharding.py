@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from frugal_kernels._layout import LEFT, lowrank_side, row_chunk as chunk
+from frugal_kernels._layout import LEFT, all_gather_into, contiguous_stride, lowrank_side
+from frugal_kernels._layout import row_chunk as chunk
 
 __all__ = ["ShardLayout", "layout_of", "local", "is_sharded", "sharded_entry", "chunk",
            "max_over_ranks_", "process_groups"]
@@ -55,12 +56,6 @@ def _dtensor():
     # statement cost about 1 us each time (111 tensors: a tenth of fused AdamW's step).
     from torch.distributed import tensor
     return tensor
-
-
-def _all_gather(out: Tensor, block: Tensor, group: object) -> None:
-    # torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, block, group=group)
 
 
 # What a plain parameter or gradient is: told apart from a DTensor without the
@@ -129,7 +124,7 @@ class ShardLayout:
         shape = torch.Size(shape)
         return _dtensor().DTensor.from_local(block, self.mesh, self.placements,
                                              run_check=False, shape=shape,
-                                             stride=_contiguous_stride(shape))
+                                             stride=contiguous_stride(shape))
 
     def block_of(self, value: Tensor, device: torch.device) -> Tensor:
         """This rank's rows (DTensor's split of ``value.shape[0]``) of a global-form
@@ -210,7 +205,7 @@ class ShardLayout:
         padded = block.new_zeros((size, *block.shape[1:]))
         padded[:block.shape[0]] = block
         out = block.new_empty((self.num_shards * size, *block.shape[1:]))
-        _all_gather(out, padded, self.group)
+        all_gather_into(out, padded, self.group)
         return out[:n]
 
     def broadcast(self, t: Tensor) -> Tensor:
@@ -285,14 +280,6 @@ def sum_over_ranks_(value: Tensor, groups: Iterable[object]) -> Tensor:
     return value
 
 
-def _contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def _all_gather_ragged(block: Tensor, group: object, world: int) -> Tensor:
     """The ranks' ``block`` s (equal but for dim 0) one after the other, in rank order."""
     if world == 1:
@@ -305,5 +292,5 @@ def _all_gather_ragged(block: Tensor, group: object, world: int) -> Tensor:
     padded = block.new_zeros((longest, *block.shape[1:]))
     padded[:block.shape[0]] = block
     out = block.new_empty((world * longest, *block.shape[1:]))
-    _all_gather(out, padded, group)
+    all_gather_into(out, padded, group)
     return torch.cat([out[r * longest:r * longest + c] for r, c in enumerate(counts)])
