@@ -28,8 +28,8 @@ from frugal_kernels.ops._common import kernel_batch, subset_batch
 
 from frugal_kernels._quant import QUANT_BITS
 
-from ..op_db import (OPS, SampleInput, dqt_case, frugal_case, lowrank_adamw_case,
-                     lowrank_case)
+from ..op_db import (OPS, SampleInput, dqt_case, frugal_case, int8_moments,
+                     lowrank_adamw_case, lowrank_case)
 from .helpers import DTYPES, make_batch
 
 # 1, primes, and 2^k +- 1 around the CPU kernels' block (2048) and chunk (2^15).
@@ -68,6 +68,25 @@ def adamw_call(draw, backend):
                  beta2=draw(st.floats(0.9, 0.9999)), eps=draw(st.floats(1e-10, 1e-6)),
                  weight_decay=draw(st.floats(0.0, 0.2)), maximize=draw(st.booleans()))
     return make_batch(sizes, dtype, seed=draw(st.integers(0, 99))), hyper, dtype
+
+
+@st.composite
+def adamw_int8_call(draw, backend):
+    # Rows of every length around the 256-element quantization block, 1- to 3-D.
+    count = draw(st.integers(1, 3))
+    shapes = []
+    for _ in range(count):
+        row = draw(st.sampled_from([s for s in SIZES + (256, 512) if s <= 1100]))
+        rows = draw(st.sampled_from([s for s in SIZES
+                                     if s * row <= MAX_NUMEL[backend] // count]))
+        shapes.append(draw(st.sampled_from([(row,), (rows, row), (1, rows, row)])))
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 99))
+    params, grads, _, _ = make_batch(shapes, dtype, seed=seed)
+    hyper = dict(lr=draw(lr()), beta1=draw(st.floats(0.0, 0.99)),
+                 beta2=draw(st.floats(0.9, 0.9999)), eps=draw(st.floats(1e-10, 1e-6)),
+                 weight_decay=draw(st.floats(0.0, 0.2)), maximize=draw(st.booleans()))
+    return (params, grads, *int8_moments(params, seed)), hyper, dtype
 
 
 @st.composite
@@ -190,7 +209,7 @@ def dqt_update_call(draw, backend):
     return tuple(lists), hyper, dtype
 
 
-CALLS = {"adamw_": adamw_call, "sign_sgd_": sign_sgd_call, "sgd_": sgd_call,
+CALLS = {"adamw_": adamw_call, "adamw_int8_": adamw_int8_call, "sign_sgd_": sign_sgd_call, "sgd_": sgd_call,
          "frugal_step_": frugal_step_call, "lowrank_step_": lowrank_step_call,
          "lowrank_adamw_step_": lowrank_adamw_step_call, "dqt_update_": dqt_update_call}
 
