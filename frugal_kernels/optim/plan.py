@@ -40,8 +40,8 @@ from frugal_kernels.optim.sharding import ShardLayout, local
 
 unchecked = ops.unchecked
 
-__all__ = ["ADAMW", "ADAMW_MASTER", "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "build",
-           "ensure_moments",
+__all__ = ["ADAMW", "ADAM_L2", "ADAMW_MASTER", "STATE_FREE", "Assignment", "Bucket", "RUNNERS",
+           "build", "ensure_moments",
            "release", "run", "signature", "single", "pack_step_counters"]
 
 
@@ -54,7 +54,8 @@ class Assignment:
     rows, columns or flat coordinates in ``state["indices"]``, the state-free
     rule elsewhere) or ``"lowrank"`` (AdamW in the span of
     ``state["projection"]``, the state-free rule on the residual);
-    ``"adamw_master"`` is AdamW on an fp32 master copy (``state["master"]``) of a
+    ``"adam_l2"`` is AdamW with torch.optim.Adam's coupled weight decay (a swapped
+    torch Adam's); ``"adamw_master"`` is AdamW on an fp32 master copy (``state["master"]``) of a
     bf16 / fp16 tensor, rounded into it after every call (BAdam's). DQT's
     quantized weights take ``"dqt_adamw"``, ``"dqt_state_free"`` and
     ``"dqt_subset"``: the same three splits applied to their packed codes by
@@ -75,6 +76,7 @@ class Assignment:
 
 
 ADAMW = Assignment("adamw")
+ADAM_L2 = Assignment("adam_l2")
 ADAMW_MASTER = Assignment("adamw_master")
 STATE_FREE = Assignment("state_free")
 
@@ -236,8 +238,12 @@ def run(bucket: Bucket, grads: List[Tensor], backend: str,
 
 def _moments(bucket: Bucket):
     states = bucket.states
-    return (states, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-            bucket.states[0]["step"])
+    m, v = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
+    if any(bucket.layouts):
+        # A swapped torch optimizer keeps torch's state, DTensors like its parameters
+        # (the package's own optimizers keep the local rows): the ops take their blocks.
+        m, v = [local(t) for t in m], [local(t) for t in v]
+    return states, m, v, bucket.states[0]["step"]
 
 
 def _prepared(bucket: Bucket, prepare: Callable[[], Callable[..., None]]) -> Callable[..., None]:
@@ -253,9 +259,32 @@ def _prepared(bucket: Bucket, prepare: Callable[[], Callable[..., None]]) -> Cal
 
 def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     group = bucket.group
+    # A torch AdamW's group may say maximize (frugal_kernels.swap); the package's own do not.
+    _adamw_call(bucket, params, grads, backend, calls, amp, group["weight_decay"],
+                group.get("maximize", False))
+
+
+def _adam_l2(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+    """torch.optim.Adam's coupled (L2) weight decay (a swapped Adam's): ``g = (-g if
+    maximize) + weight_decay * p`` on the unscaled gradient, one extra pass, then AdamW
+    without decay, as torch's single-tensor step rounds it."""
+    group = bucket.group
+    if "grad_scale" in amp:
+        grads = torch._foreach_mul(grads, inverse_grad_scale(amp["grad_scale"]))
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    grads = torch._foreach_add(grads, params, alpha=float(group["weight_decay"]))
+    skip = {"found_inf": amp["found_inf"]} if "found_inf" in amp else {}
+    _adamw_call(bucket, params, grads, backend, calls, skip, 0.0, False)
+
+
+def _adamw_call(bucket: Bucket, params, grads, backend, calls, amp, weight_decay,
+                maximize: bool) -> None:
+    group = bucket.group
     beta1, beta2 = group["betas"]
     hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"], **amp)
+                 weight_decay=weight_decay, maximize=maximize, step=bucket.states[0]["step"],
+                 **amp)
     if calls is unchecked:
         _prepared(bucket, lambda: unchecked.prepare_adamw_(
             params, *_moments(bucket)[1:3], backend=backend))(grads, **hyper)
@@ -456,6 +485,7 @@ def _dqt_subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
 RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], str, Any, dict],
                             None]] = {
     "adamw": _adamw,
+    "adam_l2": _adam_l2,
     "adamw_master": _adamw_master,
     "state_free": _state_free,
     "subset": _subset,

@@ -13,9 +13,19 @@ decoupled weight decay is ``adamw_``'s own; Adam's coupled (L2) decay is
 added to the gradient first (``g + weight_decay * p``, one extra pass) and
 ``adamw_`` then runs without decay; SGD runs on ``sgd_``.
 
+The swapped step is built from the step engine's pieces (optim/base.py,
+optim/plan.py): Adam(W)'s op calls are the engine's plan (``plan.build`` /
+``plan.run`` with the ``adamw`` and ``adam_l2`` rules, kept between steps and
+prepared, see _adam_plan), the option values are checked by the engine's checks,
+the skip decision is its ``skip_flag`` and the step counts are counted and taken
+back by its ``count_steps`` / ``uncount_skipped``. The state stays torch's (per
+tensor, in the step count's own dtype and device), not the engine's packed one.
+
 What a swapped step refuses, with a ValueError naming the group and option:
-``amsgrad``, ``capturable`` and ``differentiable`` set, sparse gradients,
-non-contiguous parameters and parameters that are not float32 (torch keeps their state in the parameter's
+``amsgrad``, ``capturable`` and ``differentiable`` set, option values the
+engine refuses (an lr, eps, weight_decay, momentum or dampening not finite and
+>= 0, betas outside [0, 1)), sparse gradients, non-contiguous parameters and
+parameters that are not float32 (torch keeps their state in the parameter's
 dtype, which the fused ops, with float32 state, do not store). The
 ``foreach`` and ``fused`` flags are ignored: the fused ops replace both
 paths (a ``fused`` group's new ``step`` tensors still live where torch's
@@ -25,9 +35,9 @@ A ``fused=True`` torch AdamW / Adam / SGD tells a GradScaler that its step
 unscales the gradients and skips on an inf itself (``_step_supports_amp_scaling``):
 the swapped step does both as torch's fused step does, with the scaler's
 ``grad_scale`` and ``found_inf`` handed to the fused ops, decided on the device
-(no host sync). The step counts are counted before the update and take
-``found_inf`` back after it, as torch's fused step does, so a skipped step
-leaves them as they were.
+(no host sync). The step counts are counted before the update and take a
+skipped step back after it, as torch's fused step does, so a skipped step
+leaves them as they were (a scaler's sum of two devices' flags counts as one).
 
 The swap also gives the instance ``clip_grad_norm_(max_norm, norm_type=2.0,
 error_if_nonfinite=False)``, the step engine's clip: the global norm and the
@@ -52,10 +62,11 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from frugal_kernels import ops
-from frugal_kernels._layout import inverse_grad_scale, on_device
-from frugal_kernels.optim import sharding
-from frugal_kernels.optim.base import (by_device, clip_factor, clipped_scale,
-                                       refuse_clip_in_backward)
+from frugal_kernels._layout import on_device
+from frugal_kernels.optim import plan, sharding
+from frugal_kernels.optim.base import (by_device, check_adamw_options, check_lr, check_number,
+                                       clip_factor, clipped_scale, count_steps,
+                                       refuse_clip_in_backward, skip_flag, uncount_skipped)
 from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
@@ -65,7 +76,7 @@ __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 _SAVED = "_frugal_swap_saved_step"
 # Where it keeps the backend of the swapped step.
 _BACKEND = "_frugal_swap_backend"
-# Where it keeps each Adam(W) group's op calls (see _adam_calls).
+# Where it keeps each Adam(W) group's plan of op calls (see _adam_plan).
 _CALLS = "_frugal_swap_calls"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 # Where clip_grad_norm_ leaves (clip factor, non-finite flag) for the next step.
@@ -120,7 +131,7 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
                         f"{kind.__module__}.{kind.__qualname__}")
     if _SAVED in optimizer.__dict__:
         return optimizer
-    _check_groups(optimizer)
+    _check_groups(optimizer, read_device=True)
     group_step = _STEPS[kind]
 
     @torch.no_grad()
@@ -131,17 +142,9 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
                 loss = closure()
         # An LR scheduler attached before the swap watches this flag.
         self._opt_called = True
-        _check_groups(self)
-        # A GradScaler sets these only on an optimizer whose step unscales and skips
-        # (a fused torch optimizer); the swapped step then does it in the fused ops.
-        amp = {"grad_scale": getattr(self, "grad_scale", None),
-               "found_inf": getattr(self, "found_inf", None)}
+        with_grads = _check_groups(self)
         clip = self.__dict__.pop(_CLIP, None)  # taken by this step, whatever happens below
-        if clip is not None:
-            amp["grad_scale"] = clipped_scale(amp["grad_scale"], clip[0])
-            # A GradScaler's flag was computed over these gradients: it stands.
-            if amp["found_inf"] is None:
-                amp["found_inf"] = clip[1]
+        amp = _amp(self, with_grads, clip)
         for group in self.param_groups:
             group_step(self, group, backend, amp=amp)
         return loss
@@ -155,6 +158,24 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
     optimizer.step = types.MethodType(hooked, optimizer)
     optimizer.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, optimizer)
     return optimizer
+
+
+def _amp(optimizer: Optimizer, with_grads: List[Tuple[int, int, Tensor]],
+         clip: Optional[Tuple[Tensor, Tensor]]) -> dict:
+    """The ``grad_scale`` and ``found_inf`` of a swapped step's op calls. A GradScaler sets
+    its tensors only on an optimizer whose step unscales and skips (a fused torch
+    optimizer). The skip is decided by the engine's :func:`skip_flag` under torch's own
+    policy, ``"propagate"``, but where a pending clip has already read the gradients:
+    its flag is then the step's (``"skip"`` without a read of its own). A GradScaler's
+    flag stands over a clip's (it was computed over these gradients), and neither needs
+    the ranks of FSDP2 to agree again (a sharded scaler's and a clip's already do)."""
+    grad_scale, clip_flag = getattr(optimizer, "grad_scale", None), None
+    if clip is not None:
+        grad_scale, clip_flag = clipped_scale(grad_scale, clip[0]), clip[1]
+    found_inf = skip_flag(getattr(optimizer, "found_inf", None),
+                          "propagate" if clip is None else "skip", with_grads, [],
+                          clip_flag=clip_flag)
+    return {"grad_scale": grad_scale, "found_inf": found_inf}
 
 
 def _clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -219,14 +240,20 @@ def tensor_steps(optimizer: Optimizer) -> _TensorSteps:
     return _TensorSteps(optimizer)
 
 
-def _check_groups(optimizer: Optimizer) -> None:
+def _check_groups(optimizer: Optimizer, read_device: bool = False
+                  ) -> List[Tuple[int, int, Tensor]]:
+    """Raise unless every group's options and tensors are ones the swapped step honours
+    (``read_device``: a tensor lr on a GPU may be read, a sync); the tensors with
+    gradients, as (group index, index in the group, tensor)."""
+    with_grads = []
     for i, group in enumerate(optimizer.param_groups):
         for option in _REFUSED:
             if group.get(option, False):
                 raise ValueError(f"swap: param group {i} sets {option}=True, which the fused "
                                  "ops do not implement; leave the optimizer unswapped or "
                                  f"set {option}=False")
-        for p in group["params"]:
+        _CHECKS[type(optimizer)](group, f"swap: param group {i}", read_device)
+        for j, p in enumerate(group["params"]):
             if p.dtype != torch.float32:
                 raise ValueError(f"swap: param group {i} holds a {p.dtype} parameter; the "
                                  "swapped step runs float32 parameters only (torch keeps "
@@ -235,9 +262,19 @@ def _check_groups(optimizer: Optimizer) -> None:
                 raise ValueError(f"swap: param group {i} holds a non-contiguous parameter; "
                                  "the fused ops update parameters in place and need them "
                                  "contiguous")
-            if p.grad is not None and p.grad.layout != torch.strided:
-                raise ValueError(f"swap: param group {i} has a sparse gradient "
-                                 f"({p.grad.layout}); the fused ops take dense gradients")
+            if p.grad is not None:
+                if p.grad.layout != torch.strided:
+                    raise ValueError(f"swap: param group {i} has a sparse gradient "
+                                     f"({p.grad.layout}); the fused ops take dense gradients")
+                with_grads.append((i, j, p))
+    return with_grads
+
+
+def _check_sgd_options(group: dict, where: str, read_device: bool = False) -> None:
+    """lr as the engine checks it; momentum, dampening and weight_decay finite and >= 0."""
+    check_lr(group.get("lr"), where, read_device)
+    for name in ("momentum", "dampening", "weight_decay"):
+        check_number(group.get(name), name, where)
 
 
 def _with_grads(group: dict, params: Optional[List[Tensor]] = None) -> List[Tensor]:
@@ -261,12 +298,10 @@ def _new_step(group: dict, p: Tensor) -> Tensor:
 
 def _adam_group(optimizer: Optimizer, group: dict, backend: str,
                 params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
-    decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
-    beta1, beta2 = (float(b) for b in group["betas"])
-    weight_decay = float(group["weight_decay"])
-    maximize = bool(group["maximize"])
     grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
     with_grads = _with_grads(group, params)
+    if not with_grads:
+        return
     for p in with_grads:
         state = optimizer.state[p]
         if len(state) == 0:
@@ -274,7 +309,7 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     steps = [optimizer.state[p]["step"] for p in with_grads]
-    if steps and _capturing() and any(step.device.type == "cpu" for step in steps):
+    if _capturing() and any(step.device.type == "cpu" for step in steps):
         # The kernels read a host step count when they are launched: a captured step
         # would replay with the bias correction of the step it was captured at.
         raise RuntimeError(
@@ -282,65 +317,76 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
             "capture would freeze at their value now; build it with fused=True (its counts "
             "live on the GPU) to capture its swapped step, as torch asks of its own AdamW")
     whole = params is None
-    split = _adam_calls(optimizer, group, with_grads, whole)
-    if steps:
-        torch._foreach_add_(steps, 1.0)
-    for params in split:
+    buckets = _adam_plan(optimizer, group, with_grads, whole)
+    counters = by_device(steps)
+    count_steps(counters)
+    # The calls take a tensor lr (a float one, what LR schedulers set, as the engine's).
+    lr = group["lr"]
+    lr = lr if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+    for bucket in buckets:
         # DTensor parameters (FSDP2) keep torch's state, DTensors like them, which
         # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
         # local blocks of all of them.
-        step = optimizer.state[params[0]]["step"]
-        grads = [local(p.grad) for p in params]
-        exp_avgs = [local(optimizer.state[p]["exp_avg"]) for p in params]
-        exp_avg_sqs = [local(optimizer.state[p]["exp_avg_sq"]) for p in params]
-        params = [local(p) for p in params]
-        device = params[0].device
-        scale = on_device(grad_scale, device)
-        kwargs = dict(weight_decay=weight_decay, maximize=maximize, grad_scale=scale,
-                      found_inf=on_device(found_inf, device))
-        if not decoupled and weight_decay != 0:
-            # torch.optim.Adam: g = (-g if maximize) + weight_decay * p, then no decay;
-            # the L2 term joins the unscaled gradient.
-            if scale is not None:
-                grads = torch._foreach_mul(grads, inverse_grad_scale(scale))
-            if maximize:
-                grads = torch._foreach_neg(grads)
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
-            kwargs.update(weight_decay=0.0, maximize=False, grad_scale=None)
-        ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1,
-                   beta2=beta2, eps=float(group["eps"]), step=step, backend=backend, **kwargs)
-    if steps and found_inf is not None:
-        # Queued after the update: a skipped step takes its count back (on the device).
-        for device, device_steps in by_device(steps).items():
-            torch._foreach_sub_(device_steps, on_device(found_inf, device).reshape(()))
+        device = bucket.params[0].device
+        bucket.lr = lr
+        plan.run(bucket, [local(p.grad) for p in bucket.params], backend,
+                 on_device(grad_scale, device), on_device(found_inf, device))
+    uncount_skipped(counters, found_inf)
     if whole:
         # Kept once the step is done (one that raised halfway keeps nothing, and the next
-        # splits afresh). The step tensors are held, so that none of them is freed and
+        # builds afresh). The state tensors are held, so that none of them is freed and
         # another made at its address (the check is by identity).
-        optimizer.__dict__.setdefault(_CALLS, {})[id(group)] = (steps, _versions(steps), split)
+        optimizer.__dict__.setdefault(_CALLS, {})[id(group)] = (
+            _held(optimizer, with_grads), _versions(steps), _assignment(optimizer, group),
+            buckets)
 
 
-def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
-                whole: bool) -> List[List[Tensor]]:
-    """``with_grads`` split into op calls, one per device and step count (params added
-    later count their own steps). Finding the counts reads every ``state["step"]`` (a
-    host sync each for a fused group's device counts), so a whole group's split is kept
-    and reused while the group steps the same tensors with the same step tensors, none
-    of them written since (their version counters as the last step left them): every
-    step adds the same to all of them, so equal counts stay equal. A count reset in
-    place (``state["step"].zero_()``, as some loops do on restarts) moves its version,
-    and the group is split again by the counts it holds now."""
-    steps = [optimizer.state[p]["step"] for p in with_grads]
+def _assignment(optimizer: Optimizer, group: dict) -> plan.Assignment:
+    """AdamW's rule, or torch.optim.Adam's coupled decay (which takes a weight_decay of 0
+    as AdamW does)."""
+    decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
+    return plan.ADAMW if decoupled else plan.ADAM_L2
+
+
+def _held(optimizer: Optimizer, with_grads: List[Tensor]) -> List[Tensor]:
+    """The state tensors a group's plan was made for (its calls hold the moments)."""
+    return [t for p in with_grads for t in (optimizer.state[p]["step"],
+                                            optimizer.state[p]["exp_avg"],
+                                            optimizer.state[p]["exp_avg_sq"])]
+
+
+def _adam_plan(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
+               whole: bool) -> List[plan.Bucket]:
+    """``with_grads`` bucketed into op calls by the engine's plan (:func:`plan.build`: one
+    per device and step count, params added later counting their own steps). Building it
+    reads every ``state["step"]`` (a host sync each for a fused group's device counts),
+    so a whole group's plan is kept and reused while the group steps the same tensors
+    with the same state tensors and rule, no step count written since (their version
+    counters as the last step left them): every step adds the same to all of them, so
+    equal counts stay equal. A count reset in place (``state["step"].zero_()``, as some
+    loops do on restarts) moves its version, and the group is bucketed again by the
+    counts it holds now. The kept plan's calls are prepared once (plan.run)."""
+    assignment = _assignment(optimizer, group)
     if whole:
         kept = optimizer.__dict__.get(_CALLS, {}).get(id(group))
-        if kept is not None and len(kept[0]) == len(steps) and \
-                all(a is b for a, b in zip(kept[0], steps)) and \
-                kept[1] is not None and kept[1] == _versions(steps):
-            return kept[2]
-    calls: Dict[Tuple[torch.device, float], List[Tensor]] = defaultdict(list)
-    for p, step in zip(with_grads, steps):
-        calls[(p.device, float(step))].append(p)
-    return list(calls.values())
+        if kept is not None and kept[2] == assignment and kept[1] is not None:
+            held = _held(optimizer, with_grads)
+            if len(kept[0]) == len(held) and all(a is b for a, b in zip(kept[0], held)) and \
+                    kept[1] == _versions(held[::3]):
+                return kept[3]
+
+    def assign(gi: int, group: dict, i: int, p: Tensor) -> plan.Assignment:
+        return assignment
+
+    def lr(gi: int, group: dict):
+        return group["lr"]
+
+    if not whole:
+        # A step in backward's tensor (never a DTensor there): its own call.
+        return [plan.single(0, group, 0, p, optimizer.state, assign, lr) for p in with_grads]
+    layouts = {p: sharding.layout_of(p, f"a parameter of shape {tuple(p.shape)}")
+               for p in with_grads if sharding.is_sharded(p)}
+    return plan.build([group], optimizer.state, assign, lr, layouts)
 
 
 def _versions(steps: List[Tensor]) -> Optional[Tuple[int, ...]]:
@@ -387,6 +433,12 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
                  found_inf=on_device(found_inf, device), **hyper)
 
 
+# What each checks of a param group's options (group, where, read_device).
+_CHECKS: Dict[type, Callable[..., None]] = {
+    torch.optim.AdamW: check_adamw_options,
+    torch.optim.Adam: check_adamw_options,
+    torch.optim.SGD: _check_sgd_options,
+}
 # Each steps one param group (only ``params`` of it, when given).
 _STEPS: Dict[type, Callable[..., None]] = {
     torch.optim.AdamW: _adam_group,
