@@ -40,8 +40,8 @@ from frugal_kernels.optim.sharding import ShardLayout, local
 
 unchecked = ops.unchecked
 
-__all__ = ["ADAMW", "ADAM_L2", "ADAMW_MASTER", "STATE_FREE", "Assignment", "Bucket", "RUNNERS",
-           "build", "ensure_moments",
+__all__ = ["ADAMW", "ADAM_L2", "ADAMW_MASTER", "SGD", "SGD_FIRST", "STATE_FREE", "Assignment",
+           "Bucket", "RUNNERS", "build", "ensure_moments",
            "release", "run", "signature", "single", "pack_step_counters"]
 
 
@@ -54,8 +54,9 @@ class Assignment:
     rows, columns or flat coordinates in ``state["indices"]``, the state-free
     rule elsewhere) or ``"lowrank"`` (AdamW in the span of
     ``state["projection"]``, the state-free rule on the residual);
-    ``"adam_l2"`` is AdamW with torch.optim.Adam's coupled weight decay (a swapped
-    torch Adam's); ``"adamw_master"`` is AdamW on an fp32 master copy (``state["master"]``) of a
+    ``"adam_l2"`` is AdamW with torch.optim.Adam's coupled weight decay, ``"sgd"``
+    torch.optim.SGD (``"sgd_first"`` its first step with momentum), a swapped torch
+    optimizer's; ``"adamw_master"`` is AdamW on an fp32 master copy (``state["master"]``) of a
     bf16 / fp16 tensor, rounded into it after every call (BAdam's). DQT's
     quantized weights take ``"dqt_adamw"``, ``"dqt_state_free"`` and
     ``"dqt_subset"``: the same three splits applied to their packed codes by
@@ -77,6 +78,8 @@ class Assignment:
 
 ADAMW = Assignment("adamw")
 ADAM_L2 = Assignment("adam_l2")
+SGD = Assignment("sgd")
+SGD_FIRST = Assignment("sgd_first")
 ADAMW_MASTER = Assignment("adamw_master")
 STATE_FREE = Assignment("state_free")
 
@@ -292,6 +295,21 @@ def _adamw_call(bucket: Bucket, params, grads, backend, calls, amp, weight_decay
     calls.adamw_(params, grads, *_moments(bucket)[1:3], backend=backend, **hyper)
 
 
+def _sgd(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+    """torch.optim.SGD, its momentum buffers in ``state["momentum_buffer"]`` (none without
+    momentum); an ``"sgd_first"`` call starts them from the gradients, as torch's first
+    step does."""
+    group = bucket.group
+    momentum = float(group["momentum"])
+    buffers = [st["momentum_buffer"] for st in bucket.states] if momentum else []
+    if any(bucket.layouts):
+        buffers = [local(b) for b in buffers]
+    calls.sgd_(params, grads, buffers, lr=bucket.lr, momentum=momentum,
+               dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
+               nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]),
+               first_step=bucket.assignment.rule == "sgd_first", backend=backend, **amp)
+
+
 def _adamw_master(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     """AdamW on the fp32 master copies of bf16 / fp16 params, from their gradients read
     into fp32 (a copy of each, for the call), the result rounded into the params. A
@@ -486,6 +504,8 @@ RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], str, Any, dict]
                             None]] = {
     "adamw": _adamw,
     "adam_l2": _adam_l2,
+    "sgd": _sgd,
+    "sgd_first": _sgd,
     "adamw_master": _adamw_master,
     "state_free": _state_free,
     "subset": _subset,

@@ -14,9 +14,9 @@ added to the gradient first (``g + weight_decay * p``, one extra pass) and
 ``adamw_`` then runs without decay; SGD runs on ``sgd_``.
 
 The swapped step is built from the step engine's pieces (optim/base.py,
-optim/plan.py): Adam(W)'s op calls are the engine's plan (``plan.build`` /
-``plan.run`` with the ``adamw`` and ``adam_l2`` rules, kept between steps and
-prepared, see _adam_plan), the option values are checked by the engine's checks,
+optim/plan.py): its op calls are the engine's plan (``plan.build`` /
+``plan.run`` with the ``adamw``, ``adam_l2``, ``sgd`` and ``sgd_first`` rules,
+kept between steps, see _group_plan), the option values are checked by the engine's checks,
 the skip decision is its ``skip_flag`` and the step counts are counted and taken
 back by its ``count_steps`` / ``uncount_skipped``. The state stays torch's (per
 tensor, in the step count's own dtype and device), not the engine's packed one.
@@ -61,7 +61,6 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from frugal_kernels import ops
 from frugal_kernels._layout import on_device
 from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.base import (by_device, check_adamw_options, check_lr, check_number,
@@ -76,7 +75,7 @@ __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 _SAVED = "_frugal_swap_saved_step"
 # Where it keeps the backend of the swapped step.
 _BACKEND = "_frugal_swap_backend"
-# Where it keeps each Adam(W) group's plan of op calls (see _adam_plan).
+# Where it keeps each group's plan of op calls (see _group_plan).
 _CALLS = "_frugal_swap_calls"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 # Where clip_grad_norm_ leaves (clip factor, non-finite flag) for the next step.
@@ -298,7 +297,6 @@ def _new_step(group: dict, p: Tensor) -> Tensor:
 
 def _adam_group(optimizer: Optimizer, group: dict, backend: str,
                 params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
-    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
     with_grads = _with_grads(group, params)
     if not with_grads:
         return
@@ -316,10 +314,50 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
             f"{type(optimizer).__name__} keeps its step counts on the host, which a CUDA graph "
             "capture would freeze at their value now; build it with fused=True (its counts "
             "live on the GPU) to capture its swapped step, as torch asks of its own AdamW")
-    whole = params is None
-    buckets = _adam_plan(optimizer, group, with_grads, whole)
+    decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
+    # torch.optim.Adam's coupled decay takes a weight_decay of 0 as AdamW does.
+    assignment = plan.ADAMW if decoupled else plan.ADAM_L2
+    buckets = _group_plan(optimizer, group, with_grads, params is None, assignment,
+                          lambda gi, g, i, p: assignment, optimizer.state)
     counters = by_device(steps)
     count_steps(counters)
+    _run(group, buckets, backend, amp)
+    uncount_skipped(counters, (amp or {}).get("found_inf"))
+    if params is None:
+        _keep(optimizer, group, with_grads, assignment, buckets)
+
+
+def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
+               params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
+    with_grads = _with_grads(group, params)
+    if not with_grads:
+        return
+    momentum = float(group["momentum"]) != 0
+    # A param without a buffer starts it from its gradient: its own call.
+    first = set()
+    for p in with_grads:
+        state = optimizer.state[p] if momentum else None
+        if momentum and state.get("momentum_buffer") is None:
+            first.add(p)
+            # Zeros rather than empty: a first step that found_inf skips leaves the
+            # buffer as it is, and the next step takes it as started (from zero).
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def assign(gi: int, g: dict, i: int, p: Tensor) -> plan.Assignment:
+        return plan.SGD_FIRST if p in first else plan.SGD
+
+    # torch keeps no state without momentum: the plan's state entries are thrown away.
+    state = optimizer.state if momentum else defaultdict(dict)
+    key = (momentum, bool(first))
+    buckets = _group_plan(optimizer, group, with_grads, params is None, key, assign, state)
+    _run(group, buckets, backend, amp)
+    if params is None:
+        _keep(optimizer, group, with_grads, key, buckets)
+
+
+def _run(group: dict, buckets: List[plan.Bucket], backend: str, amp: Optional[dict]) -> None:
+    """The group's op calls (plan.run), with the step's GradScaler and skip tensors."""
+    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
     # The calls take a tensor lr (a float one, what LR schedulers set, as the engine's).
     lr = group["lr"]
     lr = lr if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
@@ -331,106 +369,62 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
         bucket.lr = lr
         plan.run(bucket, [local(p.grad) for p in bucket.params], backend,
                  on_device(grad_scale, device), on_device(found_inf, device))
-    uncount_skipped(counters, found_inf)
-    if whole:
-        # Kept once the step is done (one that raised halfway keeps nothing, and the next
-        # builds afresh). The state tensors are held, so that none of them is freed and
-        # another made at its address (the check is by identity).
-        optimizer.__dict__.setdefault(_CALLS, {})[id(group)] = (
-            _held(optimizer, with_grads), _versions(steps), _assignment(optimizer, group),
-            buckets)
 
 
-def _assignment(optimizer: Optimizer, group: dict) -> plan.Assignment:
-    """AdamW's rule, or torch.optim.Adam's coupled decay (which takes a weight_decay of 0
-    as AdamW does)."""
-    decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
-    return plan.ADAMW if decoupled else plan.ADAM_L2
-
-
-def _held(optimizer: Optimizer, with_grads: List[Tensor]) -> List[Tensor]:
-    """The state tensors a group's plan was made for (its calls hold the moments)."""
-    return [t for p in with_grads for t in (optimizer.state[p]["step"],
-                                            optimizer.state[p]["exp_avg"],
-                                            optimizer.state[p]["exp_avg_sq"])]
-
-
-def _adam_plan(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
-               whole: bool) -> List[plan.Bucket]:
+def _group_plan(optimizer: Optimizer, group: dict, with_grads: List[Tensor], whole: bool,
+                key, assign: Callable[..., plan.Assignment], state) -> List[plan.Bucket]:
     """``with_grads`` bucketed into op calls by the engine's plan (:func:`plan.build`: one
-    per device and step count, params added later counting their own steps). Building it
-    reads every ``state["step"]`` (a host sync each for a fused group's device counts),
-    so a whole group's plan is kept and reused while the group steps the same tensors
-    with the same state tensors and rule, no step count written since (their version
-    counters as the last step left them): every step adds the same to all of them, so
-    equal counts stay equal. A count reset in place (``state["step"].zero_()``, as some
-    loops do on restarts) moves its version, and the group is bucketed again by the
-    counts it holds now. The kept plan's calls are prepared once (plan.run)."""
-    assignment = _assignment(optimizer, group)
+    per rule, device and step count, params added later counting their own steps), each
+    tensor's rule given by ``assign``. Building it reads every ``state["step"]`` (a host
+    sync each for a fused group's device counts), so a whole group's plan is kept
+    (:func:`_keep`) and reused while the group steps the same tensors with the same state
+    tensors and ``key`` (what decides the rules), none of the state written since (their
+    version counters as the last step left them): every step adds the same to all the
+    counts, so equal counts stay equal. A count reset in place (``state["step"].zero_()``,
+    as some loops do on restarts) moves its version, and the group is bucketed again by
+    the counts it holds now. A kept plan's calls go around the checks (plan.run)."""
     if whole:
         kept = optimizer.__dict__.get(_CALLS, {}).get(id(group))
-        if kept is not None and kept[2] == assignment and kept[1] is not None:
-            held = _held(optimizer, with_grads)
-            if len(kept[0]) == len(held) and all(a is b for a, b in zip(kept[0], held)) and \
-                    kept[1] == _versions(held[::3]):
+        if kept is not None and kept[0] == key and kept[1] is not None:
+            held = [*with_grads, *_state_tensors(optimizer, with_grads)]
+            if len(kept[2]) == len(held) and all(a is b for a, b in zip(kept[2], held)) and \
+                    kept[1] == _versions(held[len(with_grads):]):
                 return kept[3]
 
-    def assign(gi: int, group: dict, i: int, p: Tensor) -> plan.Assignment:
-        return assignment
-
-    def lr(gi: int, group: dict):
-        return group["lr"]
+    def lr(gi: int, g: dict):
+        return g["lr"]
 
     if not whole:
         # A step in backward's tensor (never a DTensor there): its own call.
-        return [plan.single(0, group, 0, p, optimizer.state, assign, lr) for p in with_grads]
+        return [plan.single(0, group, 0, p, state, assign, lr) for p in with_grads]
     layouts = {p: sharding.layout_of(p, f"a parameter of shape {tuple(p.shape)}")
                for p in with_grads if sharding.is_sharded(p)}
-    return plan.build([group], optimizer.state, assign, lr, layouts)
+    return plan.build([group], state, assign, lr, layouts)
 
 
-def _versions(steps: List[Tensor]) -> Optional[Tuple[int, ...]]:
-    """The version counters of ``steps`` (bumped by every in-place write), or None where
-    one has none (a count made under ``torch.inference_mode``: never reused then)."""
+def _keep(optimizer: Optimizer, group: dict, with_grads: List[Tensor], key,
+          buckets: List[plan.Bucket]) -> None:
+    """Keep a whole group's plan once its step is done (one that raised halfway keeps
+    nothing, and the next builds afresh). The tensors are held, so that none of them is
+    freed and another made at its address (the check is by identity)."""
+    states = _state_tensors(optimizer, with_grads)
+    optimizer.__dict__.setdefault(_CALLS, {})[id(group)] = (key, _versions(states),
+                                                            [*with_grads, *states], buckets)
+
+
+def _state_tensors(optimizer: Optimizer, with_grads: List[Tensor]) -> List[Tensor]:
+    """The state tensors of ``with_grads`` (none without momentum: no state entry made)."""
+    return [v for p in with_grads for v in optimizer.state.get(p, {}).values()
+            if isinstance(v, Tensor)]
+
+
+def _versions(tensors: List[Tensor]) -> Optional[Tuple[int, ...]]:
+    """The version counters of ``tensors`` (bumped by every in-place write), or None where
+    one has none (a tensor made under ``torch.inference_mode``: never reused then)."""
     try:
-        return tuple(step._version for step in steps)
+        return tuple(t._version for t in tensors)
     except RuntimeError:
         return None
-
-
-# --------------------------------------------------------------------- SGD
-
-def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
-               params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
-    momentum = float(group["momentum"])
-    hyper = dict(lr=group["lr"], momentum=momentum, dampening=float(group["dampening"]),
-                 weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
-                 maximize=bool(group["maximize"]), backend=backend)
-    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
-    params = _with_grads(group, params)
-    if momentum == 0:
-        # torch keeps no state without momentum.
-        for device, device_params in by_device(params).items():
-            ops.sgd_([local(p) for p in device_params],
-                     [local(p.grad) for p in device_params], [],
-                     grad_scale=on_device(grad_scale, device),
-                     found_inf=on_device(found_inf, device), **hyper)
-        return
-    # A param without a buffer starts it from its gradient: its own call.
-    calls: Dict[Tuple[torch.device, bool], List[Tensor]] = defaultdict(list)
-    for p in params:
-        state = optimizer.state[p]
-        first = state.get("momentum_buffer") is None
-        if first:
-            # Zeros rather than empty: a first step that found_inf skips leaves the
-            # buffer as it is, and the next step takes it as started (from zero).
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        calls[(p.device, first)].append(p)
-    for (device, first), call_params in calls.items():
-        ops.sgd_([local(p) for p in call_params], [local(p.grad) for p in call_params],
-                 [local(optimizer.state[p]["momentum_buffer"]) for p in call_params],
-                 first_step=first, grad_scale=on_device(grad_scale, device),
-                 found_inf=on_device(found_inf, device), **hyper)
 
 
 # What each checks of a param group's options (group, where, read_device).

@@ -443,3 +443,27 @@ def test_a_change_between_steps_reaches_the_kept_calls(change):
         run(o, ps, 4, first=4)
     assert_same(params, ref_params)
     assert_same_state(opt, ref)
+
+
+@pytest.mark.parametrize("name, builds", [("adamw", 1), ("adam-l2", 1), ("sgd-momentum", 2),
+                                          ("sgd-plain", 1)])
+def test_a_groups_plan_is_built_once_and_kept(name, builds, monkeypatch):
+    """The engine's plan of op calls (plan.build), kept while the group steps the same
+    tensors and state (SGD's momentum rebuilds it once: its first step starts the buffers
+    in calls of their own); a step count reset in place rebuilds it."""
+    from frugal_kernels.optim import plan
+
+    params = make_params()
+    opt = swap(make_optimizer(name, params))
+    made = []
+    real = plan.build
+    monkeypatch.setattr(plan, "build", lambda *a, **k: made.append(1) or real(*a, **k))
+    for k in range(5):
+        for p in params:
+            p.grad = torch.cos(p.detach()) + 0.01 * k
+        opt.step()
+    assert len(made) == builds * 3  # three param groups
+    if name.startswith("adam"):
+        opt.state[params[0]]["step"].zero_()
+        opt.step()
+        assert len(made) == builds * 3 + 1
