@@ -17,10 +17,11 @@ from frugal_kernels._build_info import build_info
 from frugal_kernels import data, nn, ops, reference
 from frugal_kernels.governor import Governor
 from frugal_kernels.nn import quantize_
-from frugal_kernels.optim import (DQT, FRUGAL, AdaFRUGAL, BAdam, optimizer_state_dict_template,
-                                  param_groups, step_in_backward)
+from frugal_kernels.optim import (DQT, FRUGAL, AdaFRUGAL, BAdam, FrugalOptimizer,
+                                  optimizer_state_dict_template, param_groups, protocol_of,
+                                  step_in_backward)
 from frugal_kernels.optim.swap import swap
 
 __all__ = ["__version__", "build_info", "nn", "ops", "reference", "Governor", "FRUGAL",
            "AdaFRUGAL", "BAdam", "DQT", "param_groups", "quantize_", "step_in_backward", "swap",
-           "optimizer_state_dict_template"]
+           "optimizer_state_dict_template", "FrugalOptimizer", "protocol_of"]

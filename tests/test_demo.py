@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import frugal_kernels as fk
-from frugal_kernels.lab import demo
+from frugal_kernels.lab import demo, plots, registry, report
 from frugal_kernels.__main__ import main
 from frugal_kernels.lab.corpus import load_corpus
 from frugal_kernels.governor import optimizer_flops
@@ -37,7 +37,7 @@ def frozen_adamw(model, config):
 
 def test_demo_writes_metrics_and_plot(tmp_path, monkeypatch):
     # A short T, so that AdaFRUGAL changes its subspace, with a smaller rho, in a short run.
-    monkeypatch.setattr(demo, "UPDATE_GAP", 4)
+    monkeypatch.setattr(registry, "UPDATE_GAP", 4)
     config = dataclasses.replace(TINY, steps=10, eval_every=3)
     metrics = demo.run_demo(config, list(demo.OPTIMIZERS), out=tmp_path / "run", progress=False)
     installed = demo.available(list(demo.OPTIMIZERS))  # the peers' rows need their packages
@@ -104,11 +104,11 @@ def test_every_row_has_a_colour_of_its_own():
 def test_rho_and_t_panels_show_the_runs_with_a_subspace():
     def run(*rhos):
         return {"steps": [{"step": i + 1, "rho": r} for i, r in enumerate(rhos)]}
-    assert demo._has_subspace(run(0.25, 0.25))
-    assert demo._has_subspace(run(1.0, 0.15))  # a density that shrinks below one
-    assert not demo._has_subspace(run(1.0, 1.0))  # DQT with every code state-full
-    assert not demo._has_subspace(run(0.0, 0.0))  # DQT with SignSGD alone
-    assert not demo._has_subspace({"steps": [{"step": 1}]})  # AdamW: no rho at all
+    assert plots._has_subspace(run(0.25, 0.25))
+    assert plots._has_subspace(run(1.0, 0.15))  # a density that shrinks below one
+    assert not plots._has_subspace(run(1.0, 1.0))  # DQT with every code state-full
+    assert not plots._has_subspace(run(0.0, 0.0))  # DQT with SignSGD alone
+    assert not plots._has_subspace({"steps": [{"step": 1}]})  # AdamW: no rho at all
 
 
 @pytest.mark.parametrize("update, rho", [("adamw", 1.0), ("sign", 0.0), ("frugal", 0.3)])
@@ -598,7 +598,7 @@ def test_recommendation_per_memory_budget_with_its_reason():
         "badam": _summary_run("BAdam", 3.00, 3.5),        # the only one under 1/3
         "gov": _summary_run("Gov", 1.0, 1.0, budget_from="frugal")}}
     metrics["runs"]["quick"]["summary"]["step_time"] = 0.03
-    lines = demo._recommendations(metrics).splitlines()
+    lines = report._recommendations(metrics).splitlines()
     assert lines[0] == "Recommendation per memory budget (held MB):"
     assert lines[1] == ("- at most 12.0 MB held (AdamW's 12.0 MB): GaLore: the lowest loss of "
                         "the 6 runs that fit (1.9000, -5.00% against AdamW), holding 10.0 MB, "
@@ -620,7 +620,7 @@ def test_rows_far_from_the_first_are_explained():
         "near": _summary_run("Near", 2.005, 8.0, note="never shown: within the spread"),
         "untuned": _summary_run("Untuned", 2.2, 8.0, spread=None, note="beyond 5%"),
         "ahead": _summary_run("Ahead", 1.5, 8.0, note="never shown: better")}}
-    assert demo._explanations(metrics).splitlines() == [
+    assert report._explanations(metrics).splitlines() == [
         "Why the rows far behind AdamW are there:",
         "- BAdam K=20 (+49.00%): a fine-tuning method.",
         "- Untuned (+10.00%): beyond 5%."]
@@ -628,7 +628,7 @@ def test_rows_far_from_the_first_are_explained():
 
 def test_badam_row_says_it_is_a_fine_tuning_method_and_holds_its_peak_state(tmp_path,
                                                                              monkeypatch):
-    monkeypatch.setattr(demo, "BADAM_SWITCH_EVERY", 2)
+    monkeypatch.setattr(registry, "BADAM_SWITCH_EVERY", 2)
     config = dataclasses.replace(TINY, steps=6, eval_every=3)
     metrics = demo.run_demo(config, ["adamw", "badam"], out=tmp_path / "b", progress=False,
                             tuned=False)
@@ -638,7 +638,7 @@ def test_badam_row_says_it_is_a_fine_tuning_method_and_holds_its_peak_state(tmp_
                                   "a time")
     s = run["summary"]
     assert s["max_state_bytes"] == max(st["state_bytes"] for st in run["steps"]) > 0
-    header, rows = demo._rows(metrics)
+    header, rows = report._rows(metrics)
     state = rows[1][header.index("state MB")]
     assert state == f"{s['max_state_bytes'] / 2**20:.2f}"
     assert "state MB: the most optimizer state held at once over the run" in demo.table(metrics)
@@ -651,8 +651,8 @@ def test_plot_names_the_runs_lrs_has_a_time_panel_and_tells_lines_apart(tmp_path
     # The lrs the runs used, not the config's (tuned lrs differ from it).
     for run in metrics["runs"].values():
         run["config"].update(lr=0.003, matrix_lr_ratio=0.25)
-    assert "lr 0.003 (matrices x0.25)" in demo._title(metrics)
-    fig = demo.figure(metrics)
+    assert "lr 0.003 (matrices x0.25)" in plots._title(metrics)
+    fig = plots.figure(metrics)
     axes = {ax.get_title(): ax for ax in fig.axes if ax.axison}
     time_ax = axes["validation loss against wall time"]
     lines = {line.get_label(): line for line in time_ax.get_lines()}
@@ -664,9 +664,9 @@ def test_plot_names_the_runs_lrs_has_a_time_panel_and_tells_lines_apart(tmp_path
     # Neither rho nor T changed in 6 steps: no flat panels, the title gives them.
     assert not any(t.startswith(("T:", "rho:")) for t in axes)
     assert fig._suptitle.get_text().endswith(
-        f"rho = 0.25 and T = {demo.UPDATE_GAP} throughout, in every run with a subspace")
+        f"rho = 0.25 and T = {registry.UPDATE_GAP} throughout, in every run with a subspace")
     steps = metrics["runs"]["adafrugal"]["steps"]
-    steps[-1]["update_gap"] = 2 * demo.UPDATE_GAP
+    steps[-1]["update_gap"] = 2 * registry.UPDATE_GAP
     steps[-1]["rho"] = 0.15
-    titles = [ax.get_title() for ax in demo.figure(metrics).axes]
+    titles = [ax.get_title() for ax in plots.figure(metrics).axes]
     assert any(t.startswith("T:") for t in titles) and any(t.startswith("rho:") for t in titles)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from frugal_kernels.lab import demo, peers
+from frugal_kernels.lab import demo, peers, registry
 from frugal_kernels.__main__ import main
 from frugal_kernels.lab.corpus import load_corpus
 from frugal_kernels.model import LlamaForCausalLM
@@ -65,7 +65,7 @@ def test_low_rank_peers_project_the_matrices_at_rank_d_over_4(name, corpus):
     model, opt = _stepped(name, corpus)
     projected = [g for g in opt.param_groups if g["projected"]]
     assert [g["rank"] for g in projected] == [model.config.hidden_size // 4]
-    assert projected[0]["update_proj_gap"] == demo.UPDATE_GAP
+    assert projected[0]["update_proj_gap"] == registry.UPDATE_GAP
     for p in projected[0]["params"]:
         assert min(opt.state[p]["exp_avg"].shape) == model.config.hidden_size // 4
     for g in opt.param_groups:
@@ -76,7 +76,7 @@ def test_low_rank_peers_project_the_matrices_at_rank_d_over_4(name, corpus):
 @pytest.mark.parametrize("name", ["galore", "apollo"])
 def test_subspace_peers_change_their_subspace_at_the_demos_t(name, corpus, monkeypatch):
     _needs(name)
-    monkeypatch.setattr(demo, "UPDATE_GAP", 7)
+    monkeypatch.setattr(registry, "UPDATE_GAP", 7)
     model, opt = _stepped(name, corpus)
     assert [g["update_proj_gap"] for g in opt.param_groups if g["projected"]] == [7]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from frugal_kernels.lab import demo, sweep, tuned
+from frugal_kernels.lab import demo, report, sweep, tuned
 from frugal_kernels.__main__ import main
 from frugal_kernels.lab.train import TrainConfig
 
@@ -122,7 +122,7 @@ def test_verdict_says_better_worse_or_the_same_within_the_seed_spread():
         "worse": _run("Worse", 2.50, 0.01),    # worse
         "governed": _run("Gov", 3.0, 0.01, budget_from="far"),
         "untuned": _run("Untuned", 1.0, None)}}
-    text = demo._verdict(metrics)
+    text = report._verdict(metrics)
     assert "beyond the seed-to-seed spread (the range over 2 seeds" in text
     assert "better: Far (-5.00%, spread 1.00%); worse: Worse (+25.00%, spread 1.00%)." in text
     assert "The same within the seed-to-seed spread: Near (+1.50%, spread 1.50%)." in text
@@ -130,10 +130,10 @@ def test_verdict_says_better_worse_or_the_same_within_the_seed_spread():
     # A run without a spread is put as lower or higher, with the caveat.
     assert "with no seed-to-seed spread" in text and "lower loss: Untuned (-50.00%)" in text
     metrics["config"] = {**metrics["config"], "steps": 7}
-    assert "settings differ" in demo._verdict(metrics)
+    assert "settings differ" in report._verdict(metrics)
     # A sweep of one seed has no spread: its range of 0 is not one.
     metrics["runs"]["adamw"]["tuned"] = {"spread": 0.0, "seeds": 1, "settings": SETTINGS}
-    text = demo._verdict(metrics)
+    text = report._verdict(metrics)
     assert "beyond the seed-to-seed spread" not in text
     assert "higher: Near (+1.50%), Worse (+25.00%)" in text
 

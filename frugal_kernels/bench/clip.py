@@ -63,14 +63,15 @@ def _candidates(model: nn.Module) -> Dict[str, Callable[[], None]]:
     candidates = {"torch_adamw_fused": fused.step, "torch_clip+adamw_fused": torch_clip_step}
     for label, opt in ours.items():
         candidates[label] = opt.step
-        if hasattr(opt, "clip_grad_norm_"):
-            candidates[f"{label} clip"] = _clip_step(opt)
+        candidates[f"{label} clip"] = _clip_step(opt)
     return candidates
 
 
 def _clip_step(opt) -> Callable[[], None]:
+    surface = fk.protocol_of(opt)  # a swapped optimizer's clip is its own fused one
+
     def run():
-        opt.clip_grad_norm_(MAX_NORM)
+        surface.clip_grad_norm_(MAX_NORM)
         opt.step()
     return run
 

@@ -31,11 +31,6 @@ def llama_param_set(preset: str, device: torch.device) -> nn.Module:
     return model
 
 
-def torch_state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor))
-
-
 class PaperStyleFRUGAL(torch.optim.Optimizer):
     """Blockwise FRUGAL stepped the way the paper's code steps it (the op
     sequence of fzmushko/FRUGAL's ProjOptimizer.step and AdamW._compute_update):
@@ -189,7 +184,7 @@ def state_bytes(model: nn.Module) -> List[dict]:
 def _state_row(name, opt, n) -> dict:
     """State bytes, and the bytes of the gradients the optimizer's parameters hold
     during its step (all of them but BAdam's inactive blocks)."""
-    total = opt.state_bytes() if hasattr(opt, "state_bytes") else torch_state_bytes(opt)
+    total = fk.protocol_of(opt).state_bytes()
     grads = sum(p.grad.untyped_storage().nbytes() for g in opt.param_groups for p in g["params"]
                 if p.grad is not None)
     return {"optimizer": name, "state_bytes": total, "bytes_per_param": total / n,

@@ -9,8 +9,8 @@ standard library's test modules, which the base never saw, or the user's ``--dat
 demo's columns, the task reports each row's forgetting: the fine-tuned model's loss on the
 base's own validation data, against the base's before fine-tuning.
 
-The rows are the demo's (:data:`frugal_kernels.lab.demo.OPTIMIZERS`; DQT quantizes the base,
-then fine-tunes it), LoRA through ``peft`` where installed (:func:`lora_rank`), and governed
+The rows are the demo's (:data:`frugal_kernels.lab.registry.OPTIMIZERS`; DQT quantizes the
+base, then fine-tunes it), LoRA through ``peft`` where installed (:func:`lora_rank`), and governed
 twins of AdamW and FRUGAL whose governor starts the warmup-stable-decay schedule's decay
 (:mod:`frugal_kernels.lab.schedule`): their budget is their ungoverned twin's FLOPs, and the
 twin decays at ``1 / (1 + DECAY_FRACTION)`` of its steps, where a governed run that never

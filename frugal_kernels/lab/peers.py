@@ -76,11 +76,11 @@ def _adamw8bit(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
                                weight_decay=config.weight_decay)
 
 
-# The demo's rows (frugal_kernels.lab.demo.OPTIMIZERS), as DemoOptimizer's keyword arguments;
-# ``requires`` is (module, pip distribution). The factories of the ``subspace`` rows take the
-# steps between subspace changes too: the demo gives them its T for FRUGAL, so that every
-# subspace method changes its subspace at the same steps (the authors' 200 is for runs of
-# 10k+ steps).
+# The demo's rows (frugal_kernels.lab.registry.OPTIMIZERS), as DemoOptimizer's keyword
+# arguments; ``requires`` is (module, pip distribution). The factories of the ``subspace`` rows
+# take the steps between subspace changes too: the demo gives them its T for FRUGAL, so that
+# every subspace method changes its subspace at the same steps (the authors' 200 is for runs
+# of 10k+ steps).
 PEERS: dict[str, dict[str, Any]] = {
     "galore": dict(label="GaLore rank d/4", color="tab:purple", make=_galore,
                    requires=("galore_torch", "galore-torch"), subspace=True,

@@ -1,8 +1,8 @@
 """``frugal-kernels sweep``: the demo's training over a grid of learning rates and seeds.
 
 Every setting is the demo's run (:func:`frugal_kernels.lab.train.train` with the optimizer of
-:data:`frugal_kernels.lab.demo.OPTIMIZERS`), from the seed's initialisation and batches. The sweep
-writes ``sweep.json`` (every run, the best setting per optimizer), ``sweep.md`` and
+:data:`frugal_kernels.lab.registry.OPTIMIZERS`), from the seed's initialisation and batches.
+The sweep writes ``sweep.json`` (every run, the best setting per optimizer), ``sweep.md`` and
 ``sweep.csv``; with ``tuned`` it records the best settings in a ``tuned.json``
 (:mod:`frugal_kernels.lab.tuned`), the file the demo reads its learning rates from.
 

@@ -38,6 +38,7 @@ from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
 from frugal_kernels.optim.in_backward import handle_of
 from frugal_kernels.optim.memory import PeakMemory, release_freed_memory, storage_bytes
+from frugal_kernels.optim.protocol import protocol_of, state_tensors
 from frugal_kernels.optim.sharding import local
 
 __all__ = [
@@ -241,22 +242,10 @@ def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float,
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _state_tensors(opt: Optimizer):
-    """The tensors of ``opt.state``, and those one attribute down in the helper objects some
-    optimizers keep there (GaLore's and APOLLO's projectors hold their projection matrix)."""
-    for st in opt.state.values():
-        for value in st.values():
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif hasattr(value, "__dict__"):
-                yield from (v for v in vars(value).values() if isinstance(v, torch.Tensor))
-
-
 def optimizer_state_bytes(opt: Optimizer) -> int:
-    """Bytes of the optimizer's state tensors now: ``opt.state_bytes()`` where it exists."""
-    if callable(getattr(opt, "state_bytes", None)):
-        return int(opt.state_bytes())
-    return storage_bytes(_state_tensors(opt))
+    """Bytes of the optimizer's state tensors now (its ``state_bytes()``, any optimizer's
+    through :func:`~frugal_kernels.optim.protocol_of`)."""
+    return int(protocol_of(opt).state_bytes())
 
 
 def step_memory(model: nn.Module, opt: Optimizer) -> dict[str, int]:
@@ -270,7 +259,7 @@ def step_memory(model: nn.Module, opt: Optimizer) -> dict[str, int]:
     # A QuantLinear's weight counts its codes and scales (storage_bytes reads them).
     params = list(model.parameters())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    state = list(_state_tensors(opt))
+    state = list(state_tensors(opt))
     memory = {"weight_bytes": storage_bytes(params), "grad_bytes": storage_bytes(grads),
               "state_bytes": optimizer_state_bytes(opt),
               "held_bytes": storage_bytes(params + grads + state)}
@@ -593,8 +582,9 @@ def train(
     ``config.flop_budget`` is set; the governor counts the model's FLOPs
     (:func:`~frugal_kernels.model.flops_per_token` per token) plus the optimizer's
     (:func:`optimizer_step_flops`), sees every validation loss, and its reallocations reach
-    the optimizer's ``apply_governor``. An optimizer with ``observe_loss`` (AdaFRUGAL) is fed
-    every validation loss too. The model is trained in place.
+    the optimizer's ``apply_governor`` where it is ``governable``. The optimizer's
+    ``observe_loss`` (AdaFRUGAL's dynamic T; a no-op for the others) is fed every validation
+    loss too; the loop reads every optimizer through :func:`~frugal_kernels.optim.protocol_of`. The model is trained in place.
 
     ``progress``: ``"bar"`` draws a progress bar on stderr, ``"lines"`` writes one line per
     evaluation there (for log files and CI, where a bar's carriage returns pile up), True
@@ -640,6 +630,7 @@ def train(
 
     peak = PeakMemory(device)
     opt = make_optimizer(model, config)
+    surface = protocol_of(opt)  # what the loop reads: schedule values, history, the hooks
     in_backward = handle_of(opt)
     _check_clip(config, in_backward)
     governor = None
@@ -647,7 +638,7 @@ def train(
         governor = Governor(config.flop_budget, flops_per_token=fpt, **config.governor)
         # Optimizers without a schedule to reallocate (AdamW) still get every decision
         # recorded; attaching them would only log that reallocations cannot change them.
-        if callable(getattr(opt, "apply_governor", None)):
+        if surface.governable:
             governor.attach(opt)
     # A governor with decay_fraction starts the decay of the WSD schedule (lab/schedule.py).
     governed = governed_schedule(governor, config.warmup_steps, config.min_lr_ratio)
@@ -655,7 +646,6 @@ def train(
         opt, governed or (lambda step: lr_factor(step, config.steps, config.warmup_steps,
                                                  config.min_lr_ratio, config.schedule,
                                                  config.cooldown_fraction)))
-    observe_loss = getattr(opt, "observe_loss", None)
     flops, elapsed_before = 0.0, 0.0
     selector = reference = None
     if config.select is not None:
@@ -696,7 +686,7 @@ def train(
         result.peak_memory = peak.read()
         if governor is not None:
             result.decisions = governor.history
-        result.optimizer_history = [dict(h) for h in getattr(opt, "history", [])]
+        result.optimizer_history = [dict(h) for h in surface.history]
         return result
 
     if progress is True:
@@ -760,17 +750,15 @@ def train(
             record = {"step": step, "train_loss": train_loss, "lr": float(lr),
                       "step_time": step_time, "optimizer_time": opt_time,
                       **memory, "flops": flops, "peak_memory": peak.read()}
-            for attr in ("rho", "update_gap"):
-                if hasattr(opt, attr):
-                    record[attr] = getattr(opt, attr)
+            schedule_values = surface.training_info()
+            record.update(schedule_values)
             result.steps.append(record)
             if log is not None:
                 log(step, {"train/loss": train_loss, "train/lr": float(lr),
                            "time/step_seconds": step_time,
                            "memory/held_MB": memory["held_bytes"] / 2**20,
                            "memory/state_MB": memory["state_bytes"] / 2**20,
-                           **{f"optimizer/{a}": record[a] for a in ("rho", "update_gap")
-                              if a in record}})
+                           **{f"optimizer/{k}": v for k, v in schedule_values.items()}})
             if selector is not None:
                 record["selected"] = selecting
             if governor is not None:
@@ -791,8 +779,7 @@ def train(
                           file=sys.stderr, flush=True)
                 if log is not None:
                     log(step, {"val/loss": val_loss})
-                if observe_loss is not None:
-                    observe_loss(val_loss)
+                surface.observe_loss(val_loss)
                 if governor is not None:
                     decision = governor.observe(val_loss, step=step)
                     if decision.action == "decay":

@@ -166,6 +166,8 @@ class AdaFRUGAL(FRUGAL):
         else:
             self._losses = self._losses[-(self.loss_window - 1):]
 
+    governable = True
+
     def apply_governor(self, decision: Any) -> None:
         """Take a :class:`frugal_kernels.Governor` reallocation: grow T by its
         ``update_gap_factor`` now and scale rho by its ``rho_factor`` from the next

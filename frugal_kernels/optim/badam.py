@@ -274,6 +274,8 @@ class BAdam(FusedOptimizer):
         _check_switch_every(value)
         self._switch_every = value
 
+    governable = True
+
     def apply_governor(self, decision: Any) -> None:
         """Take a :class:`frugal_kernels.Governor` reallocation: multiply
         ``switch_every`` by ``decision.suggestion["switch_every_factor"]``, or, when

@@ -28,9 +28,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from frugal_kernels import ops
 from frugal_kernels._layout import PARAM_DTYPES, first_overlap, on_device
 from frugal_kernels.optim import plan, sharding
-from frugal_kernels.optim.memory import memory_of, storage_bytes
+from frugal_kernels.optim.memory import memory_of
 from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
+from frugal_kernels.optim.protocol import FrugalOptimizer
 from frugal_kernels.optim.sharding import ShardLayout
 
 __all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "by_device", "check_adamw_options", "check_int",
@@ -47,8 +48,9 @@ NONFINITE_POLICIES = ("skip", "raise", "propagate")
 _PER_TENSOR = "per tensor"
 
 
-class FusedOptimizer(Optimizer):
-    """Base of the optimizers whose step is a few fused op calls (see the module docstring)."""
+class FusedOptimizer(FrugalOptimizer, Optimizer):
+    """Base of the optimizers whose step is a few fused op calls (see the module docstring),
+    with the training loop's surface (:class:`~frugal_kernels.optim.protocol.FrugalOptimizer`)."""
 
     _step_supports_amp_scaling = True
     # Tensor subclasses (other than DTensor) whose parameters this optimizer's rules
@@ -136,12 +138,6 @@ class FusedOptimizer(Optimizer):
         return True
 
     # ------------------------------------------------------------------ public
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state allocated right now: every storage of the tensors in
-        ``self.state`` once (the step counts of a plan are views of one tensor)."""
-        return storage_bytes(value for st in self.state.values() for value in st.values()
-                             if isinstance(value, Tensor))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> Tensor:

@@ -188,6 +188,10 @@ class FRUGAL(FusedOptimizer):
         """The density the projected groups use now."""
         return self._current_density()
 
+    def training_info(self) -> Dict[str, float]:
+        """rho and T in force now (:attr:`rho`, :attr:`update_gap`)."""
+        return {"rho": self.rho, "update_gap": self.update_gap}
+
     def _check_group(self, group: dict, where: str, read_device: bool = False) -> None:
         _check_group(group, where, read_device)
 
