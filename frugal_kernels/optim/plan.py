@@ -270,13 +270,18 @@ def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
 def _adam_l2(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     """torch.optim.Adam's coupled (L2) weight decay (a swapped Adam's): ``g = (-g if
     maximize) + weight_decay * p`` on the unscaled gradient, one extra pass, then AdamW
-    without decay, as torch's single-tensor step rounds it."""
+    without decay, as torch's single-tensor step rounds it (AdamW's call, without the
+    extra pass, at a weight_decay of 0)."""
     group = bucket.group
+    weight_decay = float(group["weight_decay"])
+    if weight_decay == 0:
+        _adamw_call(bucket, params, grads, backend, calls, amp, 0.0, group["maximize"])
+        return
     if "grad_scale" in amp:
         grads = torch._foreach_mul(grads, inverse_grad_scale(amp["grad_scale"]))
     if group["maximize"]:
         grads = torch._foreach_neg(grads)
-    grads = torch._foreach_add(grads, params, alpha=float(group["weight_decay"]))
+    grads = torch._foreach_add(grads, params, alpha=weight_decay)
     skip = {"found_inf": amp["found_inf"]} if "found_inf" in amp else {}
     _adamw_call(bucket, params, grads, backend, calls, skip, 0.0, False)
 
