@@ -75,7 +75,8 @@ __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 _SAVED = "_frugal_swap_saved_step"
 # Where it keeps the backend of the swapped step.
 _BACKEND = "_frugal_swap_backend"
-# Where it keeps each group's plan of op calls (see _group_plan).
+# Where it keeps each group's plan of op calls, and each tensor's that steps in
+# backward (see _group_plan).
 _CALLS = "_frugal_swap_calls"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 # Where clip_grad_norm_ leaves (clip factor, non-finite flag) for the next step.
@@ -323,8 +324,7 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
     count_steps(counters)
     _run(group, buckets, backend, amp)
     uncount_skipped(counters, (amp or {}).get("found_inf"))
-    if params is None:
-        _keep(optimizer, group, with_grads, assignment, buckets)
+    _keep(optimizer, group, with_grads, params is None, assignment, buckets)
 
 
 def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
@@ -351,8 +351,7 @@ def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
     key = (momentum, bool(first))
     buckets = _group_plan(optimizer, group, with_grads, params is None, key, assign, state)
     _run(group, buckets, backend, amp)
-    if params is None:
-        _keep(optimizer, group, with_grads, key, buckets)
+    _keep(optimizer, group, with_grads, params is None, key, buckets)
 
 
 def _run(group: dict, buckets: List[plan.Bucket], backend: str, amp: Optional[dict]) -> None:
@@ -374,42 +373,47 @@ def _run(group: dict, buckets: List[plan.Bucket], backend: str, amp: Optional[di
 def _group_plan(optimizer: Optimizer, group: dict, with_grads: List[Tensor], whole: bool,
                 key, assign: Callable[..., plan.Assignment], state) -> List[plan.Bucket]:
     """``with_grads`` bucketed into op calls by the engine's plan (:func:`plan.build`: one
-    per rule, device and step count, params added later counting their own steps), each
+    per rule, device and step count, params added later counting their own steps; not
+    ``whole``: the one tensor a step in backward updates, :func:`plan.single`), each
     tensor's rule given by ``assign``. Building it reads every ``state["step"]`` (a host
-    sync each for a fused group's device counts), so a whole group's plan is kept
-    (:func:`_keep`) and reused while the group steps the same tensors with the same state
+    sync each for a fused group's device counts), so the plan is kept (:func:`_keep`) and
+    reused while the group (the tensor) steps the same tensors with the same state
     tensors and ``key`` (what decides the rules), none of the state written since (their
     version counters as the last step left them): every step adds the same to all the
     counts, so equal counts stay equal. A count reset in place (``state["step"].zero_()``,
     as some loops do on restarts) moves its version, and the group is bucketed again by
     the counts it holds now. A kept plan's calls go around the checks (plan.run)."""
-    if whole:
-        kept = optimizer.__dict__.get(_CALLS, {}).get(id(group))
-        if kept is not None and kept[0] == key and kept[1] is not None:
-            held = [*with_grads, *_state_tensors(optimizer, with_grads)]
-            if len(kept[2]) == len(held) and all(a is b for a, b in zip(kept[2], held)) and \
-                    kept[1] == _versions(held[len(with_grads):]):
-                return kept[3]
+    kept = optimizer.__dict__.get(_CALLS, {}).get(_where(group, with_grads, whole))
+    if kept is not None and kept[0] == key and kept[1] is not None:
+        held = [*with_grads, *_state_tensors(optimizer, with_grads)]
+        if len(kept[2]) == len(held) and all(a is b for a, b in zip(kept[2], held)) and \
+                kept[1] == _versions(held[len(with_grads):]):
+            return kept[3]
 
     def lr(gi: int, g: dict):
         return g["lr"]
 
     if not whole:
         # A step in backward's tensor (never a DTensor there): its own call.
-        return [plan.single(0, group, 0, p, state, assign, lr) for p in with_grads]
+        return [plan.single(0, group, 0, with_grads[0], state, assign, lr)]
     layouts = {p: sharding.layout_of(p, f"a parameter of shape {tuple(p.shape)}")
                for p in with_grads if sharding.is_sharded(p)}
     return plan.build([group], state, assign, lr, layouts)
 
 
-def _keep(optimizer: Optimizer, group: dict, with_grads: List[Tensor], key,
+def _keep(optimizer: Optimizer, group: dict, with_grads: List[Tensor], whole: bool, key,
           buckets: List[plan.Bucket]) -> None:
-    """Keep a whole group's plan once its step is done (one that raised halfway keeps
-    nothing, and the next builds afresh). The tensors are held, so that none of them is
-    freed and another made at its address (the check is by identity)."""
+    """Keep a plan once its step is done (one that raised halfway keeps nothing, and the
+    next builds afresh). The tensors are held, so that none of them is freed and another
+    made at its address (the check is by identity)."""
     states = _state_tensors(optimizer, with_grads)
-    optimizer.__dict__.setdefault(_CALLS, {})[id(group)] = (key, _versions(states),
-                                                            [*with_grads, *states], buckets)
+    optimizer.__dict__.setdefault(_CALLS, {})[_where(group, with_grads, whole)] = (
+        key, _versions(states), [*with_grads, *states], buckets)
+
+
+def _where(group: dict, with_grads: List[Tensor], whole: bool) -> int:
+    """Where a plan is kept: by its group, or by its one tensor (a step in backward's)."""
+    return id(group) if whole else id(with_grads[0])
 
 
 def _state_tensors(optimizer: Optimizer, with_grads: List[Tensor]) -> List[Tensor]:
