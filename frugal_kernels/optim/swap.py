@@ -15,11 +15,12 @@ added to the gradient first (``g + weight_decay * p``, one extra pass) and
 
 The swapped step is built from the step engine's pieces (optim/base.py,
 optim/plan.py): its op calls are the engine's plan (``plan.build`` /
-``plan.run`` with the ``adamw``, ``adam_l2``, ``sgd`` and ``sgd_first`` rules,
-kept between steps, see _group_plan), the option values are checked by the engine's checks,
-the skip decision is its ``skip_flag`` and the step counts are counted and taken
-back by its ``count_steps`` / ``uncount_skipped``. The state stays torch's (per
-tensor, in the step count's own dtype and device), not the engine's packed one.
+``plan.run`` with the ``adamw``, ``adam_l2``, ``sgd`` and ``sgd_first``
+rules, kept between steps, see _group_plan), its option values are checked by
+the engine's checks, the skip decision is its ``skip_flag`` and the step
+counts are counted and taken back by its ``count_steps`` /
+``uncount_skipped``. The state stays torch's (a count per tensor, in torch's
+dtype and on torch's device), not the engine's packed counts.
 
 What a swapped step refuses, with a ValueError naming the group and option:
 ``amsgrad``, ``capturable`` and ``differentiable`` set, option values the
