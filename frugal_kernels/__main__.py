@@ -328,6 +328,8 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
                                f"split over {dist.get_world_size()} ranks")
     if resume is None and args.lr is None and args.matrix_lr_ratio is None:
         config = demo.run_config(config, args.optimizer)  # the demo's tuned lrs, if any
+    if resume is None:
+        config = demo.row_config(config, args.optimizer)  # a +select row selects
     out = None
     if parallel is None or dist.get_rank() == 0:
         # Resuming writes into the checkpoint's folder unless told otherwise.

@@ -128,6 +128,48 @@ def back_project(low: Tensor, projection: Tensor, side: int) -> Tensor:
     return torch.matmul(low, projection) if side == RIGHT else torch.matmul(projection, low)
 
 
+# ---------------------------------------------------------------- 8-bit moments
+
+# How the optimizers may store AdamW's moments (their ``state_dtype`` option).
+STATE_DTYPES = ("fp32", "int8")
+
+# Elements of one block of 8-bit moments: one fp32 scale per block, so 1/64 of a byte
+# per element and moment on top of the code. torchao's 8-bit AdamW uses 256 as well.
+MOMENT_BLOCK = 256
+
+# The dtypes of the codes: the first moment signed, the second moment's (a root of a
+# non-negative value) unsigned.
+MOMENT_CODE_DTYPES = (torch.int8, torch.uint8)
+
+
+class MomentBlocks:
+    """The blocks of the 8-bit moments of a tensor of ``shape``.
+
+    The tensor is seen as rows: ``[shape[0], rest]`` for two dims or more, one row for a
+    1-D or 0-dim tensor. Each row is cut into blocks of :data:`MOMENT_BLOCK` consecutive
+    elements (its last block may be shorter); a block never straddles two rows, so a
+    block of rows of the tensor (a rank's rows under FSDP2's row sharding) holds exactly
+    the blocks of those rows of the whole, and its state, hence its updates, is the same
+    on any number of ranks. The scales of a tensor are fp32 of shape ``[rows, blocks per
+    row]``, row-major like the codes. The codes have the tensor's shape
+    (``frugal_kernels.reference.quantize_moment`` has the math)."""
+
+    __slots__ = ("rows", "cols")
+
+    def __init__(self, shape: Sequence[int]):
+        shape = tuple(shape)
+        self.rows = shape[0] if len(shape) >= 2 else 1
+        self.cols = math.prod(shape[1:]) if len(shape) >= 2 else math.prod(shape)
+
+    @property
+    def per_row(self) -> int:
+        return -(-self.cols // MOMENT_BLOCK)
+
+    @property
+    def scale_shape(self) -> Tuple[int, int]:
+        return self.rows, self.per_row
+
+
 # ---------------------------------------------------------------- GradScaler
 
 def inverse_grad_scale(grad_scale: Tensor) -> Tensor:

@@ -10,13 +10,14 @@ backend of every op calls them directly. Arguments are as in
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from frugal_kernels import _quant
-from frugal_kernels._layout import back_project, inverse_grad_scale, matrix_shape, project
+from frugal_kernels._layout import (MOMENT_BLOCK, MomentBlocks, back_project,
+                                    inverse_grad_scale, matrix_shape, project)
 
 def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     """``g`` in fp32 with GradScaler's scale divided out as its unscale_ does: times the
@@ -27,7 +28,7 @@ def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     return g32 * inverse_grad_scale(torch.tensor(grad_scale, dtype=torch.float64))
 
 
-__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
+__all__ = ["adamw_", "adamw_int8_", "quantize_moment", "dequantize_moment", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
            "dqt_update_", "dequantize", "quant_matmul", "grad_norm", "linear_cross_entropy"]
 
 
@@ -68,6 +69,122 @@ def adamw_(
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         p32.addcdiv_(m, denom, value=-step_size)
         p.copy_(p32)
+
+
+# ---------------------------------------------------------------- 8-bit moments
+#
+# A moment tensor is stored as 8-bit codes of its shape and one fp32 scale per block of
+# MOMENT_BLOCK elements along its rows (frugal_kernels._layout.MomentBlocks). Per block:
+#
+#   first moment m (signed, linear):  s = max|m| / 127,    q = rint(m * (1 / s))  in -127..127
+#                                      m = q * s
+#   second moment v (unsigned, on the fourth root): w = sqrt(sqrt(v)),
+#                                      s = max w / 255,      q = rint(w * (1 / s))  in 0..255
+#                                      t = q * s; v = (t * t) * (t * t)
+#
+# all in fp32 (1 / s rounded once per block), rint rounding half to even; a block whose
+# scale is not > 0 (all zeros, or a NaN in it: the max propagates NaN) gets the codes 0,
+# and a NaN product (inf * 0) the code 0. Why the fourth root: a block of 256 coordinates holds second moments
+# spanning decades (an outlier column beside quiet ones), and a linear code on sqrt(v)
+# rounds every coordinate under max / 510 to 0, whose next update is m / (sqrt(new v) + eps)
+# with v rebuilt from one gradient: seen 5x the fp32 update with gradients spread over 2
+# decades in a block and 5e4x over 3 decades. On the fourth root the code 1 is
+# (1 / 255)^4 of the block's max v (a range of 9.6 decades against 4.8), so such a
+# coordinate keeps a second moment of its own size (2.5x and 6.5x in the same trials),
+# at 2x the relative step of the linear code near the top (docs/optimizers.md).
+
+
+def _sqrt(x: Tensor) -> Tensor:
+    """The fp32 square root rounded correctly, as C++'s sqrtf and CUDA's sqrtf: torch's
+    CPU sqrt of fp32 is not (one ulp off on 15% of values, torch 2.13 with AVX-512), and
+    a code can turn on one ulp. The root is taken in double and rounded once: a double
+    carries over twice the fp32 digits, so that rounding is the correct fp32 root."""
+    return x.double().sqrt().float()
+
+
+def _blocks(x: Tensor) -> Tensor:
+    """``x`` (fp32, any shape) as ``[rows, blocks per row, MOMENT_BLOCK]``, each row
+    padded with zeros to whole blocks."""
+    b = MomentBlocks(x.shape)
+    rows = x.reshape(b.rows, b.cols)
+    rows = torch.nn.functional.pad(rows, (0, b.per_row * MOMENT_BLOCK - b.cols))
+    return rows.reshape(b.rows, b.per_row, MOMENT_BLOCK)
+
+
+def _unblocked(x: Tensor, shape) -> Tensor:
+    b = MomentBlocks(shape)
+    return x.reshape(b.rows, b.per_row * MOMENT_BLOCK)[:, :b.cols].reshape(shape)
+
+
+@torch.no_grad()
+def quantize_moment(x: Tensor, second: bool) -> Tuple[Tensor, Tensor]:
+    """The 8-bit codes (``x``'s shape; int8 for the first moment, uint8 for the second)
+    and the fp32 scales (``MomentBlocks(x.shape).scale_shape``) of a moment."""
+    blocks = _blocks(x.float())
+    w, top, low, dtype = ((_sqrt(_sqrt(blocks)), 255.0, 0.0, torch.uint8) if second
+                          else (blocks, 127.0, -127.0, torch.int8))
+    scales = w.abs().amax(-1) / top
+    s = scales.unsqueeze(-1)
+    inverse = torch.ones_like(s) / s
+    q = torch.where(s > 0, torch.round(w * inverse), 0.0).clamp(low, top).nan_to_num(0.0)
+    return _unblocked(q, x.shape).to(dtype), scales
+
+
+@torch.no_grad()
+def dequantize_moment(codes: Tensor, scales: Tensor, second: bool) -> Tensor:
+    """The fp32 moment of 8-bit codes and their block scales (the inverse of
+    :func:`quantize_moment` up to its rounding)."""
+    t = _blocks(codes.float()) * scales.float().unsqueeze(-1)
+    if second:
+        u = t * t
+        t = u * u
+    return _unblocked(t, codes.shape)
+
+
+@torch.no_grad()
+def adamw_int8_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    exp_avg_sq_scales: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+    maximize: bool = False,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
+) -> None:
+    """:func:`adamw_` on 8-bit moments: each tensor's moments dequantized, the AdamW
+    update in fp32 (the parameter moves with the updated fp32 moments), the moments
+    quantized again into their codes and scales."""
+    if found_inf:
+        return
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    for p, g, mq, ms, vq, vs in zip(params, grads, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                                    exp_avg_sq_scales):
+        m, v = dequantize_moment(mq, ms, False), dequantize_moment(vq, vs, True)
+        g32 = _unscaled(g, grad_scale)
+        g32 = -g32 if maximize else g32
+        # adamw_'s math with each fp32 operation on its own, in the kernels' order
+        # (adamw_update in csrc/include/frugal/update_rules.h), and a correctly rounded
+        # sqrt: torch's addcmul_ and addcdiv_ may fuse a product into an FMA, and a moment
+        # one ulp apart can round to another code.
+        p32 = p.float() * (1 - lr * weight_decay)
+        m += (1 - beta1) * (g32 - m)
+        v.mul_(beta2).add_((1 - beta2) * (g32 * g32))
+        denom = _sqrt(v) / bias_correction2_sqrt + eps
+        p.copy_(p32 - step_size * (m / denom))
+        for codes, scales, moment, second in ((mq, ms, m, False), (vq, vs, v, True)):
+            new_codes, new_scales = quantize_moment(moment, second)
+            codes.copy_(new_codes)
+            scales.copy_(new_scales)
 
 
 def _state_free_update(p32: Tensor, g32: Tensor, *, lr: float, weight_decay: float,

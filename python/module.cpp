@@ -267,6 +267,39 @@ struct Quant {
   }
 };
 
+// The 8-bit moments of an adamw_int8_ call, one entry per tensor: codes and block
+// scales of each moment, and each tensor seen as [rows, cols].
+struct Moments8 {
+  std::vector<int8_t*> exp_avgs;
+  std::vector<float*> exp_avg_scales;
+  std::vector<uint8_t*> exp_avg_sqs;
+  std::vector<float*> exp_avg_sq_scales;
+  Sizes rows, cols;
+
+  Moments8(const Addresses& m, const Addresses& ms, const Addresses& v, const Addresses& vs,
+           Sizes r, Sizes c)
+      : exp_avgs(as_pointers<int8_t*>(m)), exp_avg_scales(as_pointers<float*>(ms)),
+        exp_avg_sqs(as_pointers<uint8_t*>(v)), exp_avg_sq_scales(as_pointers<float*>(vs)),
+        rows(std::move(r)), cols(std::move(c)) {
+    check_count("Moments8Batch exp_avg_scales", exp_avg_scales.size(), exp_avgs.size());
+    check_count("Moments8Batch exp_avg_sqs", exp_avg_sqs.size(), exp_avgs.size());
+    check_count("Moments8Batch exp_avg_sq_scales", exp_avg_sq_scales.size(), exp_avgs.size());
+    check_count("Moments8Batch rows", rows.size(), exp_avgs.size());
+    check_count("Moments8Batch cols", cols.size(), exp_avgs.size());
+  }
+
+  Moments8Batch view(const Batch& b) const {
+    check_count("Moments8Batch exp_avgs", exp_avgs.size(), b.numel.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i] * cols[i] != b.numel[i]) {
+        throw py::value_error("Moments8Batch: rows * cols is not the tensor's size");
+      }
+    }
+    return Moments8Batch{exp_avgs.data(), exp_avg_scales.data(), exp_avg_sqs.data(),
+                         exp_avg_sq_scales.data(), rows.data(), cols.data()};
+  }
+};
+
 py::dict as_dict(const cuda::LaunchLimits& l) {
   py::dict d;
   d["threads"] = l.threads;
@@ -335,6 +368,11 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<const Addresses&, Sizes, Sizes, Sizes, const std::vector<uint32_t>&>(),
            py::kw_only(), py::arg("scales"), py::arg("scale_count"), py::arg("rows"),
            py::arg("cols"), py::arg("seeds"));
+  py::class_<Moments8>(m, "Moments8Batch")
+      .def(py::init<const Addresses&, const Addresses&, const Addresses&, const Addresses&, Sizes,
+                    Sizes>(),
+           py::kw_only(), py::arg("exp_avgs"), py::arg("exp_avg_scales"), py::arg("exp_avg_sqs"),
+           py::arg("exp_avg_sq_scales"), py::arg("rows"), py::arg("cols"));
   // lr / step: addresses of float32 values the kernel reads (device memory
   // for the real kernels, host memory for the emulated ones); 0: use the
   // value in the hyper-parameter struct.
@@ -390,6 +428,13 @@ PYBIND11_MODULE(_C, m) {
     const TensorBatch t = b.view_with_moments();
     py::gil_scoped_release nogil;
     cpu::adamw(t, b.dtype, h, num_threads);
+  });
+  m.def("adamw_int8_cpu", [](const Batch& b, const Moments8& q, const AdamWHyper& h,
+                             int num_threads) {
+    const TensorBatch t = b.view();
+    const Moments8Batch mq = q.view(b);
+    py::gil_scoped_release nogil;
+    cpu::adamw_int8(t, mq, b.dtype, h, num_threads);
   });
   m.def("sign_sgd_cpu", [](const Batch& b, const SignSgdHyper& h, int num_threads) {
     const TensorBatch t = b.view();

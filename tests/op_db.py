@@ -223,6 +223,106 @@ ADAMW = OpInfo(
     compare=compare_close, counts_steps=True, tensor_scalar_sample="two tensors from step 4",
 )
 
+# ---------------------------------------------------------------- adamw_int8_
+
+def int8_moments(params, seed):
+    """The 8-bit moments (codes and scales of each) of random fp32 moments of ``params``:
+    signed first moments and second moments spread over four decades."""
+    gen = torch.Generator().manual_seed(seed)
+    lists = ([], [], [], [])
+    for p in params:
+        m = torch.randn(p.shape, generator=gen) * 1e-2
+        v = torch.rand(p.shape, generator=gen) ** 8 * 1e-4
+        for lst, t in zip(lists, (*reference.quantize_moment(m, False),
+                                  *reference.quantize_moment(v, True))):
+            lst.append(t)
+    return lists
+
+
+def _int8_batch(shapes, dtype, seed):
+    params, grads, _, _ = make_batch(shapes, dtype, seed=seed)
+    return (params, grads, *int8_moments(params, seed))
+
+
+def _adamw_int8(shapes, **options):
+    """A sample maker; ``shapes`` may depend on the backend (a callable)."""
+    def make(dtype, backend):
+        s = shapes(backend) if callable(shapes) else shapes
+        return _int8_batch(s, dtype, seed=len(str(s))), {**ADAMW_HYPER, **options}
+    return make
+
+
+def compare_exact(actual, expected, dtype, what):
+    """The same fp32 operations in the same order, then the same rounding: every param,
+    code and scale equal."""
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        apart = (a != e).sum().item()
+        assert apart == 0, f"{what}[{i}]: {apart} elements differ"
+
+
+def _adamw_int8_errors():
+    def case(name, change, error, match, **overrides):
+        def make():
+            return change(*_int8_batch([(10, 300), 6], torch.float32, 4)), \
+                {**ADAMW_HYPER, "step": 1, **overrides}
+        return ErrorInput(name, make, error, match)
+
+    def non_contiguous(p, g, m, ms, v, vs):
+        t = torch.zeros(300, 10, dtype=torch.int8).t()
+        return p, g, [t, m[1]], ms, v, vs
+
+    same = (lambda *a: a)
+    return (
+        case("length", lambda p, g, m, ms, v, vs: (p, g, m, ms[:1], v, vs), ValueError,
+             "1 exp_avg_scales"),
+        case("code dtype", lambda p, g, m, ms, v, vs: (p, g, m, ms, [v[0].to(torch.int8), v[1]],
+                                                       vs), TypeError, "exp_avg_sqs[0] has dtype"),
+        case("fp32 moments", lambda p, g, m, ms, v, vs: (p, g, [x.float() for x in m], ms, v, vs),
+             TypeError, "exp_avgs[0] has dtype"),
+        case("scale shape", lambda p, g, m, ms, v, vs: (p, g, m, ms, v, [vs[0][:, :1], vs[1]]),
+             ValueError, "exp_avg_sq_scales[0] has shape (10, 1) but must have shape (10, 2)"),
+        case("code shape", lambda p, g, m, ms, v, vs: (p, g, [m[0].view(-1), m[1]], ms, v, vs),
+             ValueError, "exp_avgs[0] has shape (3000,)"),
+        case("non-contiguous codes", non_contiguous, ValueError, "exp_avgs[0] is not contiguous"),
+        case("device", lambda p, g, m, ms, v, vs: (p, g, m, [ms[0].to("meta"), ms[1]], v, vs),
+             ValueError, "exp_avg_scales[0] is on meta"),
+        case("grad shape", lambda p, g, m, ms, v, vs: (p, [g[0], g[1][:3]], m, ms, v, vs),
+             ValueError, "grads[1] has shape"),
+        case("step 0", same, ValueError, "step counts updates from 1", step=0),
+        case("beta", same, ValueError, "beta2", beta2=1.5),
+    )
+
+
+def _adamw_int8_opcheck():
+    return (*_int8_batch([(33, 300), 4], torch.float32, 5), torch.tensor(1e-3), 0.9, 0.999,
+            1e-8, 0.01, torch.tensor(3.0), False, *grad_scaler_args(), "auto")
+
+
+ADAMW_INT8 = OpInfo(
+    name="adamw_int8_", op=ops.adamw_int8_, ref=reference.adamw_int8_,
+    outputs=("params", "exp_avgs", "exp_avg_scales", "exp_avg_sqs", "exp_avg_sq_scales"),
+    output_positions=(0, 2, 3, 4, 5), num_lists=6,
+    samples=(
+        # One row of 2^20 + 3 (4097 blocks, the last of 3 elements) for the threaded path;
+        # rows shorter than a block, a block and one, a 3-D tensor's rows of 700.
+        SampleInput("one long row", _adamw_int8(lambda b: [_size_for(b, 2**20 + 3)]), steps=3),
+        SampleInput("rows of 1, 7, 257", _adamw_int8([(1, 1), (40, 7), (9, 257)]), steps=3),
+        SampleInput("rows of 1017 (517 on triton)",
+                    _adamw_int8(lambda b: [(131, 517) if b == "triton" else (1031, 1017)]),
+                    steps=2, dtypes=FP32),
+        SampleInput("mixed sizes and empty tensors, maximize",
+                    _adamw_int8([5, 0, (3, 0), (0, 4), (), (3, 2, 700), 4096], maximize=True),
+                    steps=10),
+        SampleInput("two tensors from step 4", _adamw_int8([(300, 5), (5, 300)], lr=2e-3),
+                    first_step=4),
+    ),
+    error_inputs=_adamw_int8_errors(),
+    opcheck_inputs=(("two tensors", _adamw_int8_opcheck),),
+    empty_kwargs={**ADAMW_HYPER, "step": 1},
+    compare=compare_exact, counts_steps=True, tensor_scalar_sample="two tensors from step 4",
+    isa_variants=({}, {"maximize": True}),
+)
+
 # ---------------------------------------------------------------- sign_sgd_
 
 SIGN_SGD_HYPER = dict(lr=1e-2, weight_decay=0.1, scale=0.5)
@@ -859,7 +959,7 @@ DQT_UPDATE = OpInfo(
     grad_position=2,
 )
 
-OPS = (ADAMW, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP, LOWRANK_ADAMW_STEP, DQT_UPDATE)
+OPS = (ADAMW, ADAMW_INT8, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP, LOWRANK_ADAMW_STEP, DQT_UPDATE)
 
 # The ops outside the table: out of place and not optimizer steps (no lists, no lr
 # or step), which the generic tests do not fit; each gets the table's checks

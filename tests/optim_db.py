@@ -166,6 +166,36 @@ OPTIMIZERS = (
 )
 
 
+def _int8_params(seed: int) -> Model:
+    """Projected matrices of 8-bit moments (two of them with a partial block in each row),
+    one too small for them, and an unprojected group with an embedding-like matrix (8-bit
+    moments) beside 1-D tensors (fp32 moments)."""
+    proj, reg = make_params(seed=seed, projected=[(64, 80), (80, 300), (16, 16), (3, 40, 50)],
+                            regular=[(40,), (7,), (70, 64)])
+    return groups(proj, reg), proj + reg
+
+
+def _other_state_dtype(sd: dict) -> None:
+    for group in sd["param_groups"]:
+        group["state_dtype"] = "fp32"
+
+
+# FRUGAL's blocks with 8-bit moments (state_dtype="int8"): the whole-tensor AdamW state
+# of the projected and the unprojected groups through ops.adamw_int8_.
+OPTIMIZERS = OPTIMIZERS + (
+    OptimizerInfo(
+        name="FRUGAL-blocks-int8", make_model=_int8_params,
+        factory=lambda inputs, **options: _frugal("blocks")(inputs, state_dtype="int8",
+                                                            **options),
+        variants=_RESET_VARIANTS, resumed_attributes=_RESUMED,
+        misfits=_frugal_misfits("blocks") + (
+            Misfit("other state_dtype", _other_state_dtype, "state_dtype='fp32'"),),
+        compile_graphs=1, compile_options=_COMPILE_OPTIONS["blocks"],
+        in_backward_options=_IN_BACKWARD,
+    ),
+)
+
+
 def _layered_model(seed: int) -> Model:
     """Three transformer-like layers (BAdam's default blocks) of a matrix and a vector."""
     gen = torch.Generator().manual_seed(seed)

@@ -134,3 +134,25 @@ def test_the_governed_selection_option_needs_select_and_a_budget(capsys):
     assert main(["train", "--optimizer", "adamw", "--governor-select-trial", "3",
                  *CLI_ARGS]) == 2
     assert "needs --select and --flop-budget" in capsys.readouterr().err
+
+
+def test_the_demo_selects_in_its_select_rows_only(tmp_path):
+    from frugal_kernels.__main__ import main
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--optimizers", "adamw", "adamw+select", "--select", "el2n",
+                 "--out", str(out), *CLI_ARGS]) == 0
+    runs = json.loads((out / "metrics.json").read_text())["runs"]
+    assert not any("selected" in s for s in runs["adamw"]["steps"])
+    assert all(s["selected"] for s in runs["adamw+select"]["steps"])
+    assert runs["adamw+select"]["config"]["select"] == "el2n"
+    assert "+select" in (out / "table.md").read_text()
+
+
+def test_a_select_row_of_the_train_command_selects_by_loss(tmp_path):
+    from frugal_kernels.__main__ import main
+
+    out = tmp_path / "train"
+    assert main(["train", "--optimizer", "frugal+select", "--out", str(out), *CLI_ARGS]) == 0
+    run = json.loads((out / "metrics.json").read_text())["runs"]["frugal+select"]
+    assert run["config"]["select"] == "loss" and all(s["selected"] for s in run["steps"])

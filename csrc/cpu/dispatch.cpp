@@ -16,6 +16,7 @@ struct Level {
   const char* name;
   bool (*supported)();
   void (*adamw)(const TensorBatch&, DType, const AdamWScalars&, int);
+  void (*adamw_int8)(const TensorBatch&, const Moments8Batch&, DType, const AdamWScalars&, int);
   void (*sign_sgd)(const TensorBatch&, DType, const SignScalars&, int);
   void (*sgd)(const TensorBatch&, DType, const SgdScalars&, int);
   void (*frugal_step)(const TensorBatch&, const SubsetBatch&, DType, const FrugalScalars&, int);
@@ -44,7 +45,7 @@ bool has_avx512() {
 #endif
 
 #define FK_LEVEL(ns, supported) \
-  Level { #ns, supported, ns::adamw, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step, \
+  Level { #ns, supported, ns::adamw, ns::adamw_int8, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step, \
         ns::lowrank_adamw_step, ns::dqt_update, ns::dequantize, ns::grad_norm }
 
 const Level kLevels[] = {
@@ -114,6 +115,12 @@ bool openmp_enabled() {
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threads) {
   if (h.found_inf != 0.0) return;
   active().adamw(t, dtype, adamw_scalars(h), num_threads);
+}
+
+void adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const AdamWHyper& h,
+                int num_threads) {
+  if (h.found_inf != 0.0) return;
+  active().adamw_int8(t, q, dtype, adamw_scalars(h), num_threads);
 }
 
 void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, int num_threads) {

@@ -7,6 +7,7 @@
 #include "frugal/batch.h"
 #include "frugal/common.h"
 #include "frugal/frugal_tile.h"
+#include "frugal/moments8.h"
 #include "frugal/quant.h"
 #include "frugal/update_rules.h"
 
@@ -16,6 +17,8 @@ namespace cpu {
 #define FK_DECLARE_CPU_KERNELS(ns)                                                            \
   namespace ns {                                                                              \
   void adamw(const TensorBatch& t, DType dtype, const AdamWScalars& s, int num_threads);      \
+  void adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype,                \
+                  const AdamWScalars& s, int num_threads);                                    \
   void sign_sgd(const TensorBatch& t, DType dtype, const SignScalars& s, int num_threads);    \
   void sgd(const TensorBatch& t, DType dtype, const SgdScalars& s, int num_threads);          \
   void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype,                 \
@@ -51,6 +54,10 @@ bool select_isa_level(const char* name);
 bool openmp_enabled();
 
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, int num_threads);
+// AdamW on 8-bit moments (frugal/moments8.h): the batch's params and grads, with the
+// codes and scales in `q` (the batch's own moment pointers are unread).
+void adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const AdamWHyper& h,
+                int num_threads);
 void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, int num_threads);
 // SGD with momentum: the momentum buffers travel in t.exp_avgs (unread when
 // h.momentum is 0, and then may be absent).

@@ -15,7 +15,7 @@ import torch
 
 from frugal_kernels import _quant, ops
 from frugal_kernels.bench.timing import measure_rounds, ratio_spread
-from frugal_kernels._layout import (lowrank_dim, lowrank_side, project, subset_dim,
+from frugal_kernels._layout import (MomentBlocks, lowrank_dim, lowrank_side, project, subset_dim,
                                     subset_state_shape)
 from frugal_kernels.optim import subspace
 
@@ -75,6 +75,26 @@ def _adamw_cases(params, dtype, rho):
         return lambda: ops.adamw_(params, grads, m, v, lr=1e-4, beta1=0.9, beta2=0.999,
                                   eps=1e-8, weight_decay=0.01, step=10, backend=backend)
     return [OpCase("adamw_", "", n * (3 * size + 16), run)]
+
+
+@register("adamw_int8_")
+def _adamw_int8_cases(params, dtype, rho):
+    grads = _like(params)
+    moments = [[], [], [], []]
+    for p in params:
+        scales = MomentBlocks(p.shape).scale_shape
+        for lst, shape, kind in zip(moments, (p.shape, scales, p.shape, scales),
+                                    (torch.int8, torch.float32, torch.uint8, torch.float32)):
+            lst.append(torch.zeros(shape, dtype=kind, device=p.device))
+    n = sum(p.numel() for p in params)
+    scale_bytes = sum(s.numel() for s in moments[1]) * 2 * 4
+    size = params[0].element_size()
+
+    def run(backend):
+        return lambda: ops.adamw_int8_(params, grads, *moments, lr=1e-4, beta1=0.9, beta2=0.999,
+                                       eps=1e-8, weight_decay=0.01, step=10, backend=backend)
+    # Params read and written, grads read, two 1-byte codes and their scales read and written.
+    return [OpCase("adamw_int8_", "", n * (3 * size + 4) + 2 * scale_bytes, run)]
 
 
 @register("sign_sgd_")

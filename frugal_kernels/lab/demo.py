@@ -30,15 +30,16 @@ from frugal_kernels.lab.output import output_folder
 from frugal_kernels.lab.peers import missing
 from frugal_kernels.lab.plots import plot
 from frugal_kernels.lab.registry import (DEFAULT_RUNS, DEFAULTS, OPTIMIZERS, DemoOptimizer,
-                                         available, resolve, run_config, tuned_for)
+                                         available, resolve, row_config, run_config,
+                                         tuned_for)
 from frugal_kernels.lab.report import _rows, collect_metrics, table
 from frugal_kernels.lab.train import (RunResult, TrainConfig, TrainingInterrupted, check_data,
                                       train)
 from frugal_kernels.model import LlamaForCausalLM
 
 __all__ = ["DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "Interrupted", "OPTIMIZERS", "available",
-           "collect_metrics", "plot", "resolve", "run_config", "run_demo", "run_train", "table",
-           "write"]
+           "collect_metrics", "plot", "resolve", "row_config", "run_config", "run_demo",
+           "run_train", "table", "write"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -114,7 +115,10 @@ def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS
     files: list[str] = []
     for k, name in enumerate(names, 1):
         entry = OPTIMIZERS[name]
-        named_config = run_config(config, name, tuned)
+        # --select sets the policy of the +select rows; the others train on plain batches.
+        named_config = row_config(run_config(config, name, tuned), name)
+        if not entry.selects and named_config.select is not None:
+            named_config = dataclasses.replace(named_config, select=None)
         if entry.budget_from is not None:
             named_config = dataclasses.replace(named_config,
                                                flop_budget=results[entry.budget_from].flops,
@@ -160,6 +164,7 @@ def run_train(config: TrainConfig, name: str = "adafrugal", *,
     Ctrl-C writes the metrics of the steps done and raises :class:`Interrupted`.
     """
     entry = OPTIMIZERS[name]
+    config = row_config(config, name)
     if entry.budget_from is not None:
         raise ValueError(f"{name!r} takes its budget from the {entry.budget_from!r} run; "
                          "train that one, with config.flop_budget for a governed run")

@@ -25,7 +25,7 @@ from frugal_kernels.nn import quantize_
 from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam, step_in_backward
 
 __all__ = ["BADAM_SWITCH_EVERY", "DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "OPTIMIZERS",
-           "UPDATE_GAP", "available", "resolve", "run_config", "tuned_for"]
+           "UPDATE_GAP", "available", "resolve", "row_config", "run_config", "tuned_for"]
 
 # The paper's T = 200 is for runs of tens of thousands of steps. On short runs each subspace
 # change costs (the new state-full blocks restart their moments: at 300 x 16, T = 10 / 50 / 200
@@ -52,7 +52,9 @@ class DemoOptimizer:
     row that runs the same optimizer another way. ``describe(run)``, where given, is the
     label of a finished run (its record in metrics.json), for a label that says what the
     run did (the rho AdaFRUGAL reached); ``note`` (a string, or a function of the run) says
-    why the row may end far from AdamW, printed under the table when it does.
+    why the row may end far from AdamW, printed under the table when it does. A row with
+    ``selects`` trains on online-selected batches (``TrainConfig.select``: the config's
+    policy, else ``"loss"``; :func:`row_config`).
     """
 
     label: str
@@ -64,6 +66,7 @@ class DemoOptimizer:
     tuned_as: Optional[str] = None
     describe: Optional[Callable[[dict[str, Any]], str]] = None
     note: Union[str, Callable[[dict[str, Any]], str]] = ""
+    selects: bool = False
 
 
 def _adamw(model, config: TrainConfig) -> torch.optim.Optimizer:
@@ -217,6 +220,21 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
 }
 
 
+def _selecting(source: str, color: str) -> DemoOptimizer:
+    """The ``source`` row trained on online-selected batches, at its tuning."""
+    entry = OPTIMIZERS[source]
+    return DemoOptimizer(
+        f"{entry.label}+select", color, entry.make, tuned_as=source, selects=True,
+        describe=lambda run: f"{entry.label}+select ({run['config']['select']})",
+        note="each step scores 2 batches in a no-grad forward and trains on the better half; "
+             "the scoring passes count in its FLOPs; selection pays on noisy data "
+             "(--data-noise), not on a clean corpus")
+
+
+OPTIMIZERS["adamw+select"] = _selecting("adamw", "silver")
+OPTIMIZERS["frugal+select"] = _selecting("frugal", "lightsteelblue")
+
+
 def _peer(spec: dict[str, Any]) -> DemoOptimizer:
     """A row of :data:`~frugal_kernels.lab.peers.PEERS`; a subspace method gets the demo's T."""
     spec = dict(spec)
@@ -237,8 +255,11 @@ OPTIMIZERS.update((name, _peer(spec)) for name, spec in PEERS.items())
 # The runs of a plain `frugal-kernels demo`: every row but the DQT widths other than 4 bits
 # and DQT in backward, which `--optimizers dqt8 dqt3 dqt2 dqt4-frugal+inbwd ...` adds (each
 # run costs about a minute on a 2-core CPU).
+# Nor the +select rows, which pay on noisy data (`--optimizers adamw adamw+select
+# --data-noise 0.3`).
 DEFAULT_RUNS = tuple(name for name in OPTIMIZERS
-                     if not name.startswith("dqt") or name in ("dqt4", "dqt4-frugal"))
+                     if (not name.startswith("dqt") or name in ("dqt4", "dqt4-frugal"))
+                     and not OPTIMIZERS[name].selects)
 
 # TrainConfig's defaults are the demo's (docs/demo.md); each optimizer's two learning rates
 # come from tuned.json, where a sweep recorded them for the model preset.
@@ -277,6 +298,14 @@ def tuned_for(config: TrainConfig, name: str) -> Optional[dict[str, Any]]:
     ``tuned_as``, else the run its budget comes from); None if nothing is recorded."""
     entry = OPTIMIZERS[name]
     return tuned_lrs.lookup(config.model, entry.tuned_as or entry.budget_from or name)
+
+
+def row_config(config: TrainConfig, name: str) -> TrainConfig:
+    """``config`` with what the row ``name`` fixes itself: a ``selects`` row selects by
+    ``config.select``, else by ``"loss"``."""
+    if OPTIMIZERS[name].selects and config.select is None:
+        return dataclasses.replace(config, select="loss")
+    return config
 
 
 def run_config(config: TrainConfig, name: str, tuned: bool = True) -> TrainConfig:

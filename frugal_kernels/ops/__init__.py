@@ -4,6 +4,8 @@ Each op updates lists of tensors in place in one call and runs on one of four
 backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
 
 - :func:`adamw_` — AdamW with decoupled weight decay;
+- :func:`adamw_int8_` — the same on moments stored as 8-bit codes with a scale per
+  block of 256 elements (a quarter of the bytes);
 - :func:`sign_sgd_` — SignSGD with decoupled weight decay;
 - :func:`sgd_` — torch.optim.SGD: momentum, dampening, Nesterov, L2 weight decay;
 - :func:`frugal_step_` — the fused FRUGAL update: AdamW on a state-full subset
@@ -30,12 +32,13 @@ accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
 
 from types import SimpleNamespace
 
-from frugal_kernels.ops import (adamw, dqt_update, frugal_step, lowrank_adamw_step, lowrank_step,
+from frugal_kernels.ops import (adamw, adamw_int8, dqt_update, frugal_step, lowrank_adamw_step, lowrank_step,
                                 sgd, sign_sgd)
 from frugal_kernels.ops._dispatch import (BACKENDS, CAPABILITIES, SIZE_LIMITS, implements,
                                          kernel_backend, resolve, usable_backends,
                                          worth_calling)
 from frugal_kernels.ops.adamw import adamw_
+from frugal_kernels.ops.adamw_int8 import adamw_int8_
 from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
@@ -48,7 +51,7 @@ from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
 # Every in-place op's declaration (frugal_kernels.ops._spec), by name.
-SPECS = {m.SPEC.name: m.SPEC for m in (adamw, sign_sgd, sgd, frugal_step, lowrank_step,
+SPECS = {m.SPEC.name: m.SPEC for m in (adamw, adamw_int8, sign_sgd, sgd, frugal_step, lowrank_step,
                                        lowrank_adamw_step, dqt_update)}
 
 # What the optimizers' plans call once a bucket's call was checked: each op's body
@@ -61,7 +64,7 @@ unchecked = SimpleNamespace(**{name: spec.unchecked for name, spec in SPECS.item
                             **{f"prepare_{name}": spec.prepare for name, spec in SPECS.items()
                                if spec.prepares})
 
-__all__ = ["adamw_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
+__all__ = ["adamw_", "adamw_int8_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
            "dqt_update_", "dequantize", "quant_matmul", "grad_norm", "linear_cross_entropy",
            "BACKENDS", "CAPABILITIES", "SPECS", "unchecked",
            "SIZE_LIMITS", "implements", "kernel_backend", "resolve", "usable_backends",

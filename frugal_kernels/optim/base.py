@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from frugal_kernels import ops
-from frugal_kernels._layout import PARAM_DTYPES, first_overlap, on_device
+from frugal_kernels._layout import PARAM_DTYPES, MomentBlocks, first_overlap, on_device
 from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.memory import memory_of
 from frugal_kernels.optim.plan import Assignment, Bucket
@@ -38,7 +38,7 @@ __all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "by_device", "check_adamw_opt
            "check_lr", "check_nonfinite", "check_number", "count_steps", "first_nonfinite",
            "skip_flag", "uncount_skipped"]
 
-_ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+_ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "exp_avg_scale", "exp_avg_sq_scale")
 
 # What a step does when a gradient holds a NaN or an infinity (see FusedOptimizer.step).
 NONFINITE_POLICIES = ("skip", "raise", "propagate")
@@ -580,13 +580,38 @@ def _check_saved_state(saved: dict, p: Tensor, pid: Any, family: Projection) -> 
             math.isfinite(float(step)) and float(step) >= 0):
         raise ValueError(f"state of param {pid}: its step count is missing or not a finite "
                          f"count >= 0 ({step!r})")
-    if m.dtype != torch.float32:
-        raise ValueError(f"state of param {pid}: exp_avg has dtype {m.dtype}, not float32")
     if "exp_avg_sq" not in saved or tuple(saved["exp_avg_sq"].shape) != tuple(m.shape):
         raise ValueError(f"state of param {pid}: exp_avg_sq is missing or shaped unlike exp_avg")
+    _check_saved_moment_dtypes(saved, p, pid)
     if not family.fits(saved, p):
         raise ValueError(f"state of param {pid}: exp_avg of shape {tuple(m.shape)} does not fit "
                          f"a parameter of shape {tuple(p.shape)}")
+
+
+def _check_saved_moment_dtypes(saved: dict, p: Tensor, pid: Any) -> None:
+    """fp32 moments, or 8-bit codes (int8 exp_avg, uint8 exp_avg_sq) with fp32 block scales
+    of the parameter's blocks (``ops.adamw_int8_``), and nothing of the other kind."""
+    m, v = saved["exp_avg"], saved["exp_avg_sq"]
+    scale_keys = ("exp_avg_scale", "exp_avg_sq_scale")
+    if m.dtype not in (torch.float32, torch.int8):
+        raise ValueError(f"state of param {pid}: exp_avg has dtype {m.dtype}, not float32 "
+                         "(or int8 codes)")
+    want_v = torch.float32 if m.dtype == torch.float32 else torch.uint8
+    if v.dtype != want_v:
+        raise ValueError(f"state of param {pid}: exp_avg_sq has dtype {v.dtype}, not {want_v} "
+                         f"(exp_avg is {m.dtype})")
+    if m.dtype == torch.float32:
+        if any(key in saved for key in scale_keys):
+            raise ValueError(f"state of param {pid}: block scales beside float32 moments")
+        return
+    want = MomentBlocks(p.shape).scale_shape
+    for key in scale_keys:
+        scale = saved.get(key)
+        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            got = "missing" if scale is None else f"{scale.dtype} of shape {tuple(scale.shape)}"
+            raise ValueError(f"state of param {pid}: {key} is {got}; 8-bit moments of a "
+                             f"parameter of shape {tuple(p.shape)} have float32 scales of "
+                             f"shape {want}")
 
 
 _CONTIGUOUS_ADVICE = ("make it contiguous before building the optimizer: "

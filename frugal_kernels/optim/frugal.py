@@ -7,7 +7,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from frugal_kernels._layout import STATE_FREE_RULES
+from frugal_kernels import reference
+from frugal_kernels._layout import STATE_DTYPES, STATE_FREE_RULES
 from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check_int, check_number
 from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
@@ -102,6 +103,13 @@ class FRUGAL(FusedOptimizer):
             params and moments). See :meth:`FusedOptimizer.step`.
         backend: kernel backend of the ops (``"auto"``, ``"cpu"``, ``"cuda"``,
             ``"triton"``, ``"torch"``).
+        state_dtype: how AdamW's moments are stored: ``"fp32"``, or ``"int8"``
+            (:func:`frugal_kernels.ops.adamw_int8_`: 8-bit codes with an fp32 scale
+            per block of 256 elements along each tensor's rows, about a quarter of the
+            bytes), for the whole tensors of ``projection="blocks"`` and the groups
+            that are not projected; tensors of fewer than 4096 elements and 1-D
+            tensors keep fp32 moments. A checkpoint loads only into an optimizer of
+            its own ``state_dtype``.
 
     Example::
 
@@ -126,12 +134,13 @@ class FRUGAL(FusedOptimizer):
         seed: int = 0,
         backend: str = "auto",
         nonfinite: str = "skip",
+        state_dtype: str = "fp32",
     ):
         check_int(update_gap, "update_gap")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, projected=True,
                         density=density, projection=projection, state_free=state_free,
                         state_free_lr_scale=state_free_lr_scale, reset_state=reset_state,
-                        block_order=block_order)
+                        block_order=block_order, state_dtype=state_dtype)
         self._check_group(defaults, "defaults", read_device=True)
         self._update_gap = update_gap
         self._steps_taken = 0
@@ -258,7 +267,7 @@ class FRUGAL(FusedOptimizer):
     def _assign(self, gi: int, group: dict, i: int, p: Tensor) -> Assignment:
         assignment = self._family(group).assign(self._subspace(gi, group), i, p)
         old = self._carried.pop(p, None)
-        if old is not None and assignment.rule in ("adamw", "subset"):
+        if old is not None and assignment.rule in ("adamw", "adamw_int8", "subset"):
             # from_optimizer: the state-full part of the AdamW moments, before the plan
             # buckets the tensor by its (carried) bias-correction step.
             st = self.state[p]
@@ -266,7 +275,13 @@ class FRUGAL(FusedOptimizer):
             for key in ("exp_avg", "exp_avg_sq"):
                 # A DTensor's moments (FSDP2): the local block holds this rank's rows,
                 # which the local ids index.
-                st[key].copy_(_gather(local(old[key]), st.get("indices"), kind))
+                moment = _gather(local(old[key]), st.get("indices"), kind)
+                if assignment.rule == "adamw_int8":
+                    codes, scales = reference.quantize_moment(moment, key == "exp_avg_sq")
+                    st[key].copy_(codes)
+                    st[key + "_scale"].copy_(scales)
+                else:
+                    st[key].copy_(moment)
             st["step"] = torch.tensor(old["step"], dtype=torch.float32)
         return assignment
 
@@ -307,7 +322,8 @@ class FRUGAL(FusedOptimizer):
         self._check_extra(extra)
 
     def _saved_group(self, saved: dict) -> dict:
-        return {k: v for k, v in saved.items() if k != "frugal"}
+        # A state dict from before the option held fp32 moments.
+        return {"state_dtype": "fp32", **{k: v for k, v in saved.items() if k != "frugal"}}
 
     def _check_extra(self, extra: dict) -> None:
         """Raise a ValueError unless the "frugal" entry can resume these groups."""
@@ -361,6 +377,12 @@ class FRUGAL(FusedOptimizer):
             if saved.get(key, group[key]) != group[key]:
                 raise ValueError(f"param group {gi}: {key} is {group[key]!r} here but "
                                  f"{saved.get(key)!r} in the state dict")
+        saved_dtype = self._saved_group(saved)["state_dtype"]
+        if saved_dtype != group.get("state_dtype", "fp32"):
+            raise ValueError(f"param group {gi}: the state dict's moments are "
+                             f"state_dtype={saved_dtype!r} but this optimizer's are "
+                             f"{group.get('state_dtype', 'fp32')!r}; build the optimizer with "
+                             f"state_dtype={saved_dtype!r} to resume from it")
 
     def _load_optimizer_state(self, state_dict: dict) -> None:
         extra = _saved_extra(state_dict)
@@ -502,3 +524,12 @@ def _check_group(group: dict, where: str, read_device: bool = False) -> None:
         raise ValueError(f"{where}: density must be in [0, 1], got {density!r}")
     check_adamw_options(group, where, read_device)
     check_number(group.get("state_free_lr_scale"), "state_free_lr_scale", where)
+    # Groups of optimizers without the option (BAdam's inner FRUGAL groups) are fp32.
+    state_dtype = group.get("state_dtype", "fp32")
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"{where}: state_dtype must be one of {', '.join(STATE_DTYPES)}; got "
+                         f"{state_dtype!r}")
+    if state_dtype == "int8" and group.get("projected") and group["projection"] != "blocks":
+        raise ValueError(f"{where}: state_dtype='int8' keeps 8-bit moments for whole tensors "
+                         "(projection='blocks' and the groups that are not projected); the "
+                         f"fused step of projection={group['projection']!r} takes fp32 moments")

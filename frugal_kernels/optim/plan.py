@@ -35,13 +35,14 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import _quant, ops
-from frugal_kernels._layout import LEFT, inverse_grad_scale, lowrank_side, project
+from frugal_kernels._layout import LEFT, MomentBlocks, inverse_grad_scale, lowrank_side, project
 from frugal_kernels.optim.sharding import ShardLayout, local
 
 unchecked = ops.unchecked
 
-__all__ = ["ADAMW", "ADAM_L2", "ADAMW_MASTER", "SGD", "SGD_FIRST", "STATE_FREE", "Assignment",
-           "Bucket", "RUNNERS", "build", "ensure_moments",
+__all__ = ["ADAMW", "ADAMW_INT8", "ADAMW_MASTER", "INT8_MIN_NUMEL", "SGD", "SGD_FIRST",
+           "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "adamw_assignment", "build",
+           "ensure_moments", "stores_int8",
            "release", "run", "signature", "single", "pack_step_counters"]
 
 
@@ -54,9 +55,12 @@ class Assignment:
     rows, columns or flat coordinates in ``state["indices"]``, the state-free
     rule elsewhere) or ``"lowrank"`` (AdamW in the span of
     ``state["projection"]``, the state-free rule on the residual);
-    ``"adam_l2"`` is AdamW with torch.optim.Adam's coupled weight decay, ``"sgd"``
-    torch.optim.SGD (``"sgd_first"`` its first step with momentum), a swapped torch
-    optimizer's; ``"adamw_master"`` is AdamW on an fp32 master copy (``state["master"]``) of a
+    ``"adamw_int8"`` is ``"adamw"`` on 8-bit moments (``ops.adamw_int8_``: codes in
+    ``exp_avg`` / ``exp_avg_sq``, their block scales in ``exp_avg_scale`` /
+    ``exp_avg_sq_scale``), either with torch.optim.Adam's coupled weight decay when
+    ``coupled`` (a swapped torch Adam's); ``"sgd"`` is torch.optim.SGD (``"sgd_first"``
+    its first step with momentum, a swapped SGD's); ``"adamw_master"`` is AdamW on an
+    fp32 master copy (``state["master"]``) of a
     bf16 / fp16 tensor, rounded into it after every call (BAdam's). DQT's
     quantized weights take ``"dqt_adamw"``, ``"dqt_state_free"`` and
     ``"dqt_subset"``: the same three splits applied to their packed codes by
@@ -70,6 +74,7 @@ class Assignment:
     full_rank: bool = False                  # lowrank at full rank: no residual
     fused: bool = False                      # lowrank: the whole step in one op call
     bits: int = 0                            # dqt: the code width of every weight of the call
+    coupled: bool = False                    # adamw(_int8): torch.optim.Adam's L2 decay
 
     @property
     def stateful(self) -> bool:
@@ -77,7 +82,7 @@ class Assignment:
 
 
 ADAMW = Assignment("adamw")
-ADAM_L2 = Assignment("adam_l2")
+ADAMW_INT8 = Assignment("adamw_int8")
 SGD = Assignment("sgd")
 SGD_FIRST = Assignment("sgd_first")
 ADAMW_MASTER = Assignment("adamw_master")
@@ -121,16 +126,44 @@ def signature(params: Sequence[Tensor]) -> list:
     return [(p.data_ptr(), p.shape, p.dtype) for p in params]
 
 
-def ensure_moments(st: dict, shape, device: torch.device) -> None:
-    """Give a state its AdamW moments (fp32, zero) and step count, unless it has them.
+# With state_dtype="int8", tensors of fewer elements than this, and 1-D tensors (norms,
+# biases), keep fp32 moments, as bitsandbytes' and torchao's 8-bit AdamW keep theirs
+# (4096 elements is bitsandbytes' min_8bit_size): their state is a sliver of the bytes,
+# a scale per block would cost a large share of a small tensor, and a 1-D tensor is one
+# row, whose blocks would straddle the ranks' shards under FSDP2.
+INT8_MIN_NUMEL = 4096
+
+
+def stores_int8(group: dict, p: Tensor) -> bool:
+    """Whether ``p`` (of ``group``; a DTensor's global shape decides) keeps 8-bit moments."""
+    return (group.get("state_dtype", "fp32") == "int8" and p.dim() >= 2
+            and p.numel() >= INT8_MIN_NUMEL)
+
+
+def ensure_moments(st: dict, shape, device: torch.device, int8: bool = False) -> None:
+    """Give a state its AdamW moments (zero) and step count, unless it has them: fp32
+    tensors of ``shape``, or with ``int8`` the 8-bit codes and block scales of
+    ``ops.adamw_int8_``.
 
     Moments are allocated at the first step a tensor is state-full with a
     gradient, as torch.optim does, not when its subspace is chosen."""
     if "exp_avg" in st:
         return
-    st["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=device)
-    st["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=device)
+    if int8:
+        scales = MomentBlocks(shape).scale_shape
+        st["exp_avg"] = torch.zeros(shape, dtype=torch.int8, device=device)
+        st["exp_avg_scale"] = torch.zeros(scales, dtype=torch.float32, device=device)
+        st["exp_avg_sq"] = torch.zeros(shape, dtype=torch.uint8, device=device)
+        st["exp_avg_sq_scale"] = torch.zeros(scales, dtype=torch.float32, device=device)
+    else:
+        st["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=device)
+        st["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=device)
     st["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def adamw_assignment(st: dict) -> Assignment:
+    """The AdamW rule of a state with moments: on fp32 or on 8-bit moments."""
+    return ADAMW_INT8 if st["exp_avg"].dtype == torch.int8 else ADAMW
 
 
 def build(param_groups: Sequence[dict], state,
@@ -261,43 +294,45 @@ def _prepared(bucket: Bucket, prepare: Callable[[], Callable[..., None]]) -> Cal
 
 
 def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
-    group = bucket.group
-    # A torch AdamW's group may say maximize (frugal_kernels.swap); the package's own do not.
-    _adamw_call(bucket, params, grads, backend, calls, amp, group["weight_decay"],
-                group.get("maximize", False))
-
-
-def _adam_l2(bucket: Bucket, params, grads, backend, calls, amp) -> None:
-    """torch.optim.Adam's coupled (L2) weight decay (a swapped Adam's): ``g = (-g if
-    maximize) + weight_decay * p`` on the unscaled gradient, one extra pass, then AdamW
-    without decay, as torch's single-tensor step rounds it (AdamW's call, without the
-    extra pass, at a weight_decay of 0)."""
-    group = bucket.group
-    weight_decay = float(group["weight_decay"])
-    if weight_decay == 0:
-        _adamw_call(bucket, params, grads, backend, calls, amp, 0.0, group["maximize"])
-        return
-    if "grad_scale" in amp:
-        grads = torch._foreach_mul(grads, inverse_grad_scale(amp["grad_scale"]))
-    if group["maximize"]:
-        grads = torch._foreach_neg(grads)
-    grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    skip = {"found_inf": amp["found_inf"]} if "found_inf" in amp else {}
-    _adamw_call(bucket, params, grads, backend, calls, skip, 0.0, False)
-
-
-def _adamw_call(bucket: Bucket, params, grads, backend, calls, amp, weight_decay,
-                maximize: bool) -> None:
-    group = bucket.group
-    beta1, beta2 = group["betas"]
-    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=weight_decay, maximize=maximize, step=bucket.states[0]["step"],
-                 **amp)
+    grads, hyper = _adamw_hyper(bucket, params, grads, amp)
     if calls is unchecked:
         _prepared(bucket, lambda: unchecked.prepare_adamw_(
             params, *_moments(bucket)[1:3], backend=backend))(grads, **hyper)
         return
     calls.adamw_(params, grads, *_moments(bucket)[1:3], backend=backend, **hyper)
+
+
+def _adamw_int8(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+    grads, hyper = _adamw_hyper(bucket, params, grads, amp)
+    moments = [[st[key] for st in bucket.states]
+               for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
+    if calls is unchecked:
+        _prepared(bucket, lambda: unchecked.prepare_adamw_int8_(
+            params, *moments, backend=backend))(grads, **hyper)
+        return
+    calls.adamw_int8_(params, grads, *moments, backend=backend, **hyper)
+
+
+def _adamw_hyper(bucket: Bucket, params, grads, amp):
+    """The gradients and keywords of an AdamW call. A torch optimizer's group may say
+    maximize (frugal_kernels.swap; the package's own groups do not). A torch Adam's
+    decay is coupled (``assignment.coupled``): ``g = (-g if maximize) + weight_decay *
+    p`` is formed from the unscaled gradient first (one extra pass), then AdamW runs
+    without decay, as torch's single-tensor step rounds it."""
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    weight_decay, maximize = group["weight_decay"], group.get("maximize", False)
+    if bucket.assignment.coupled and weight_decay != 0:
+        if "grad_scale" in amp:
+            grads = torch._foreach_mul(grads, inverse_grad_scale(amp["grad_scale"]))
+        if maximize:
+            grads = torch._foreach_neg(grads)
+        grads = torch._foreach_add(grads, params, alpha=float(weight_decay))
+        amp = {"found_inf": amp["found_inf"]} if "found_inf" in amp else {}
+        weight_decay, maximize = 0.0, False
+    return grads, dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=weight_decay, maximize=maximize,
+                       step=bucket.states[0]["step"], **amp)
 
 
 def _sgd(bucket: Bucket, params, grads, backend, calls, amp) -> None:
@@ -508,7 +543,7 @@ def _dqt_subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
 RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], str, Any, dict],
                             None]] = {
     "adamw": _adamw,
-    "adam_l2": _adam_l2,
+    "adamw_int8": _adamw_int8,
     "sgd": _sgd,
     "sgd_first": _sgd,
     "adamw_master": _adamw_master,

@@ -29,11 +29,12 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import ops
-from frugal_kernels._layout import (LEFT, lowrank_dim, lowrank_side, lowrank_state_shape,
+from frugal_kernels._layout import (LEFT, MomentBlocks, lowrank_dim, lowrank_side, lowrank_state_shape,
                                     matrix_shape, projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
 from frugal_kernels.optim import subspace
-from frugal_kernels.optim.plan import ADAMW, ADAMW_MASTER, STATE_FREE, Assignment, ensure_moments
+from frugal_kernels.optim.plan import (ADAMW, ADAMW_MASTER, STATE_FREE, Assignment,
+                                       adamw_assignment, ensure_moments, stores_int8)
 from frugal_kernels.optim.sharding import SHARDED_KEYS, ShardLayout, is_sharded, local
 
 __all__ = ["DENSE", "DENSE_MASTER", "FAMILIES", "Blocks", "CoordinateSubset", "Dense",
@@ -110,6 +111,8 @@ class Projection:
 
     def _global_shape(self, key: str, value: Tensor, st: dict, p: Tensor) -> Tuple[int, ...]:
         """The global shape of a sharded entry whose rows are this rank's chunk."""
+        if key.endswith("_scale"):
+            return MomentBlocks(p.shape).scale_shape
         return tuple(p.shape)
 
 
@@ -117,8 +120,9 @@ class Dense(Projection):
     """Every coordinate state-full: plain AdamW with moments of the tensor's shape."""
 
     def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
-        ensure_moments(sub.state[p], local(p).shape, p.device)
-        return ADAMW
+        st = sub.state[p]
+        ensure_moments(st, local(p).shape, p.device, int8=stores_int8(sub.group, p))
+        return adamw_assignment(st)
 
     def fits(self, saved: dict, p: Tensor) -> bool:
         return tuple(saved["exp_avg"].shape) == tuple(p.shape)

@@ -40,9 +40,10 @@ __all__ = ["ShardLayout", "layout_of", "local", "is_sharded", "sharded_entry", "
            "max_over_ranks_", "process_groups"]
 
 # State entries that are sharded on dim 0 in the global form when their parameter
-# is: the moments (of every kind) and BAdam's master copy. A left-side projection
-# ([m, r], see sharded_entry) is sharded too; everything else is held whole.
-SHARDED_KEYS = ("exp_avg", "exp_avg_sq", "master")
+# is: the moments (of every kind; the block scales of 8-bit moments too, whose blocks
+# never straddle rows) and BAdam's master copy. A left-side projection ([m, r], see
+# sharded_entry) is sharded too; everything else is held whole.
+SHARDED_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master")
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,8 +15,9 @@ added to the gradient first (``g + weight_decay * p``, one extra pass) and
 
 The swapped step is built from the step engine's pieces (optim/base.py,
 optim/plan.py): its op calls are the engine's plan (``plan.build`` /
-``plan.run`` with the ``adamw``, ``adam_l2``, ``sgd`` and ``sgd_first``
-rules, kept between steps, see _group_plan), its option values are checked by
+``plan.run`` with the ``adamw`` and ``adamw_int8`` rules, ``coupled`` for
+Adam's L2 decay, and the ``sgd`` and ``sgd_first`` rules, kept between steps,
+see _group_plan), its option values are checked by
 the engine's checks, the skip decision is its ``skip_flag`` and the step
 counts are counted and taken back by its ``count_steps`` /
 ``uncount_skipped``. The state stays torch's (a count per tensor, in torch's
@@ -54,6 +55,7 @@ calls ``opt.clip_grad_norm_`` the same way on every optimizer of the package.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Tuple
@@ -62,7 +64,8 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from frugal_kernels._layout import on_device
+from frugal_kernels import reference
+from frugal_kernels._layout import STATE_DTYPES, on_device
 from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.base import (by_device, check_adamw_options, check_lr, check_number,
                                        clip_factor, clipped_scale, count_steps,
@@ -82,9 +85,13 @@ _CALLS = "_frugal_swap_calls"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 # Where clip_grad_norm_ leaves (clip factor, non-finite flag) for the next step.
 _CLIP = "_frugal_swap_clip"
+# Where a swap with state_dtype="int8" keeps the handles of its state dict hooks.
+_INT8_HOOKS = "_frugal_swap_int8_hooks"
+_CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 
-def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> Optimizer:
+def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
+         state_dtype: str = "fp32") -> Optimizer:
     """Make ``optimizer.step`` run on the fused ops; returns the same optimizer.
 
     ``optimizer`` is a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` instance (not
@@ -96,6 +103,14 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
         backend: the backend of the fused ops ("auto" by default, see
             DESIGN.md section 3).
         undo: restore the original step instead.
+        state_dtype: ``"fp32"`` (torch's state), or ``"int8"`` for AdamW / Adam: the
+            moments of tensors of two dims or more and at least 4096 elements as 8-bit
+            codes with block scales (``ops.adamw_int8_``; docs/optimizers.md), under
+            torch's keys (``exp_avg`` int8, ``exp_avg_sq`` uint8) with
+            ``exp_avg_scale`` / ``exp_avg_sq_scale`` beside them. The state dict
+            records it in each group (``"state_dtype"``), and loading one of another
+            state dtype raises a ValueError, the optimizer untouched. ``undo=True``
+            turns the 8-bit moments back into fp32 moments for torch's own step.
 
     Raises:
         TypeError: for an optimizer of another type.
@@ -118,6 +133,9 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
                                "(frugal_kernels.step_in_backward); call handle.remove() "
                                "first, then undo the swap")
         saved = optimizer.__dict__.pop(_SAVED)
+        for handle in optimizer.__dict__.pop(_INT8_HOOKS, ()):
+            handle.remove()
+        _dequantize_state(optimizer)
         optimizer.__dict__.pop(_BACKEND, None)
         optimizer.__dict__.pop(_CALLS, None)
         optimizer.__dict__.pop(_CLIP, None)
@@ -133,6 +151,7 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
     if _SAVED in optimizer.__dict__:
         return optimizer
     _check_groups(optimizer, read_device=True)
+    _check_state_dtype(optimizer, state_dtype)
     group_step = _STEPS[kind]
 
     @torch.no_grad()
@@ -156,6 +175,11 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False) -> 
     hooked._wrapped_by_lr_sched = True
     optimizer.__dict__[_SAVED] = optimizer.__dict__.get("step")
     optimizer.__dict__[_BACKEND] = backend
+    if state_dtype == "int8":
+        optimizer.__dict__[_INT8_HOOKS] = (
+            optimizer.register_state_dict_post_hook(_record_state_dtype),
+            optimizer.register_load_state_dict_pre_hook(_refuse_other_state_dtype),
+            optimizer.register_load_state_dict_post_hook(_restore_code_dtypes))
     optimizer.step = types.MethodType(hooked, optimizer)
     optimizer.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, optimizer)
     return optimizer
@@ -278,6 +302,62 @@ def _check_sgd_options(group: dict, where: str, read_device: bool = False) -> No
         check_number(group.get(name), name, where)
 
 
+def _check_state_dtype(optimizer: Optimizer, state_dtype: str) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"swap: state_dtype must be one of {', '.join(STATE_DTYPES)}; got "
+                         f"{state_dtype!r}")
+    if state_dtype == "fp32":
+        return
+    if type(optimizer) is torch.optim.SGD:
+        raise ValueError("swap: state_dtype='int8' stores AdamW's moments; an SGD's momentum "
+                         "buffers stay fp32 (leave state_dtype='fp32')")
+    if any(sharding.is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("swap: state_dtype='int8' takes plain tensors; for DTensor "
+                         "parameters (FSDP2) use FRUGAL.from_optimizer(optimizer, "
+                         "state_dtype='int8') with unprojected groups")
+    if any(len(st) for st in optimizer.state.values()):
+        raise ValueError("swap: state_dtype='int8' starts from an optimizer without state "
+                         "(its moments would be fp32); swap it before its first step")
+
+
+def _int8(optimizer: Optimizer) -> bool:
+    return _INT8_HOOKS in optimizer.__dict__
+
+
+def _record_state_dtype(optimizer: Optimizer, state_dict: dict) -> dict:
+    for group in state_dict["param_groups"]:
+        group["state_dtype"] = "int8"
+    return state_dict
+
+
+def _refuse_other_state_dtype(optimizer: Optimizer, state_dict: dict) -> None:
+    for gi, group in enumerate(state_dict["param_groups"]):
+        saved = group.get("state_dtype", "fp32")
+        if saved != "int8":
+            raise ValueError(f"param group {gi}: the state dict's moments are "
+                             f"state_dtype={saved!r} but this swapped optimizer's are 'int8'; "
+                             f"swap it with state_dtype={saved!r} to resume from it")
+
+
+def _restore_code_dtypes(optimizer: Optimizer) -> None:
+    """torch's loader casts every state tensor of a float parameter to its dtype: the
+    codes come back as floats holding integers, which this puts back into int8 / uint8
+    (exactly)."""
+    for state in optimizer.state.values():
+        if "exp_avg_scale" in state:
+            for key, dtype in _CODE_DTYPES.items():
+                state[key] = state[key].to(dtype)
+
+
+def _dequantize_state(optimizer: Optimizer) -> None:
+    """8-bit moments back to fp32 moments (for torch's own step, after an undo)."""
+    for state in optimizer.state.values():
+        if "exp_avg_scale" in state:
+            for key in _CODE_DTYPES:
+                state[key] = reference.dequantize_moment(state[key], state.pop(key + "_scale"),
+                                                         key == "exp_avg_sq")
+
+
 def _with_grads(group: dict, params: Optional[List[Tensor]] = None) -> List[Tensor]:
     """The group's tensors with gradients (of ``params`` only, when given)."""
     return [p for p in (group["params"] if params is None else params) if p.grad is not None]
@@ -305,9 +385,12 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
     for p in with_grads:
         state = optimizer.state[p]
         if len(state) == 0:
+            if _int8(optimizer) and plan.stores_int8({"state_dtype": "int8"}, p):
+                plan.ensure_moments(state, p.shape, p.device, int8=True)
             state["step"] = _new_step(group, p)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     steps = [optimizer.state[p]["step"] for p in with_grads]
     if _capturing() and any(step.device.type == "cpu" for step in steps):
         # The kernels read a host step count when they are launched: a captured step
@@ -316,16 +399,21 @@ def _adam_group(optimizer: Optimizer, group: dict, backend: str,
             f"{type(optimizer).__name__} keeps its step counts on the host, which a CUDA graph "
             "capture would freeze at their value now; build it with fused=True (its counts "
             "live on the GPU) to capture its swapped step, as torch asks of its own AdamW")
-    decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
-    # torch.optim.Adam's coupled decay takes a weight_decay of 0 as AdamW does.
-    assignment = plan.ADAMW if decoupled else plan.ADAM_L2
-    buckets = _group_plan(optimizer, group, with_grads, params is None, assignment,
-                          lambda gi, g, i, p: assignment, optimizer.state)
+    coupled = not (type(optimizer) is torch.optim.AdamW
+                   or group.get("decoupled_weight_decay", False))
+
+    def assign(gi: int, g: dict, i: int, p: Tensor) -> plan.Assignment:
+        # fp32 or 8-bit moments (state_dtype="int8"): each tensor's own.
+        rule = plan.adamw_assignment(optimizer.state[p])
+        return dataclasses.replace(rule, coupled=True) if coupled else rule
+
+    buckets = _group_plan(optimizer, group, with_grads, params is None, coupled, assign,
+                          optimizer.state)
     counters = by_device(steps)
     count_steps(counters)
     _run(group, buckets, backend, amp)
     uncount_skipped(counters, (amp or {}).get("found_inf"))
-    _keep(optimizer, group, with_grads, params is None, assignment, buckets)
+    _keep(optimizer, group, with_grads, params is None, coupled, buckets)
 
 
 def _sgd_group(optimizer: Optimizer, group: dict, backend: str,

@@ -467,3 +467,29 @@ def test_a_groups_plan_is_built_once_and_kept(name, builds, monkeypatch):
         opt.state[params[0]]["step"].zero_()
         opt.step()
         assert len(made) == builds * 3 + 1
+
+
+def test_adams_coupled_decay_on_int8_moments_is_the_decay_added_to_the_gradient():
+    """A swapped Adam with state_dtype="int8": the L2 term joins the gradient before the
+    8-bit AdamW call (the engine's adamw_int8 rule, coupled), bit for bit as stepping
+    g + weight_decay * p without decay; the small tensor keeps fp32 moments."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(64, 80), (96, 64), (7,)]
+    params = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    opt = swap(torch.optim.Adam(params, lr=1e-2, weight_decay=0.1), state_dtype="int8")
+    manual = swap(torch.optim.Adam(twins, lr=1e-2, weight_decay=0.0), state_dtype="int8")
+    for _ in range(4):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, q, g in zip(params, twins, grads):
+            p.grad = g.clone()
+            q.grad = torch.add(g, q.detach(), alpha=0.1)
+        opt.step()
+        manual.step()
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.int8
+    assert opt.state[params[2]]["exp_avg"].dtype == torch.float32
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+    for p, q in zip(params, twins):
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, manual.state[q][key]), key

@@ -21,7 +21,7 @@ import textwrap
 import pytest
 import torch
 
-from frugal_kernels import ops
+from frugal_kernels import ops, reference
 from frugal_kernels._layout import subset_dim
 from frugal_kernels._layout import subset_state_shape as state_shape
 
@@ -38,7 +38,7 @@ HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    yield from interpreted(("_common", "adamw", "sign_sgd", "sgd", "frugal_step"))
+    yield from interpreted(("_common", "adamw", "adamw_int8", "sign_sgd", "sgd", "frugal_step"))
 
 
 def clone(state):
@@ -338,7 +338,7 @@ def test_interpreter_refuses_device_tensors(kernels):
 _COMPILE = textwrap.dedent("""
     import re, triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
-    from frugal_kernels.kernels.triton import adamw, sign_sgd, frugal_step
+    from frugal_kernels.kernels.triton import adamw, adamw_int8, sign_sgd, frugal_step
 
     ADAMW = ["decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "bc2_sqrt",
              "eps"]
@@ -358,6 +358,9 @@ _COMPILE = textwrap.dedent("""
             P_DTYPE=tl.float16, AMP=False, INDEX_DTYPE=tl.int64, COLUMNS=False, STATE_FREE=1,
             SCALARS_IN_KERNEL=False, ALIGNED=False, BLOCK=frugal_step.BLOCK),
          frugal_step.NUM_WARPS),
+        (adamw_int8._adamw_int8_kernel, ADAMW, dict(
+            P_DTYPE=tl.bfloat16, MAXIMIZE=True, AMP=True, SCALARS_IN_KERNEL=True,
+            NB=adamw_int8.NB, BLOCK=256), adamw_int8.NUM_WARPS),
     ]
     for fn, floats, constexprs, num_warps in CASES:
         # amp: GradScaler's (inverse scale, found_inf) pair, read when AMP is set.
@@ -369,7 +372,7 @@ _COMPILE = textwrap.dedent("""
         name = fn.__name__
         assert not re.search(r"fma\\.rn\\.f32", ptx), f"{name}: fp32 FMA contraction"
         assert not re.search(r"(div|sqrt)\\.(approx|full)\\.f32", ptx), f"{name}: approximate math"
-        if constexprs["ALIGNED"]:
+        if constexprs.get("ALIGNED"):
             assert re.search(r"ld\\.global(\\.\\w+)*\\.v4", ptx), f"{name}: no 16-byte loads"
         print(name, "ok")
 """)
@@ -378,4 +381,38 @@ _COMPILE = textwrap.dedent("""
 def test_kernels_compile_for_h200():
     """Compile the kernels for sm_90 with Triton's bundled ptxas (no GPU needed): the
     interpreter does not see GPU-only errors, contraction into FMA or approximate math."""
-    assert compile_for_h200(_COMPILE).count("ok") == 4
+    assert compile_for_h200(_COMPILE).count("ok") == 5
+
+
+@needs_cpu
+def test_adamw_int8_scalars_in_kernel_and_grad_scaler(kernels):
+    """adamw_int8_'s device-scalar path and its GradScaler tensors (an inf found leaves
+    every code, scale and param as it was) give the cpu backend's bits."""
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(5, 300), (3,), (2, 4100)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    moments = [(*reference.quantize_moment(torch.randn(s, generator=gen) * 0.1, False),
+                *reference.quantize_moment(torch.rand(s, generator=gen) * 0.01, True))
+               for s in shapes]
+    lr = torch.tensor(3e-3)
+    for step, found in ((1, 0.0), (7, 1.0), (1000, 0.0)):
+        amp = dict(grad_scale=torch.tensor(8.0), found_inf=torch.tensor([found]))
+        outs = {}
+        for how in ("kernel", "cpu"):
+            p = [t.clone() for t in start]
+            lists = [[m[k].clone() for m in moments] for k in range(4)]
+            if how == "kernel":
+                kernels["adamw_int8"].adamw_int8_(p, [g * 8 for g in grads], *lists, lr=lr,
+                                                  step=torch.tensor(step), maximize=True,
+                                                  scalars_in_kernel=True, **HYPER, **amp)
+            else:
+                ops.adamw_int8_(p, [g * 8 for g in grads], *lists, lr=lr, step=step,
+                                maximize=True, backend="cpu", **HYPER, **amp)
+            outs[how] = (p, *lists)
+        for name, a, b in zip(("params", "m", "m scales", "v", "v scales"), outs["kernel"],
+                              outs["cpu"]):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"{name} at step {step}"
+        if found:
+            assert all(torch.equal(x, y) for x, y in zip(outs["cpu"][0], start))

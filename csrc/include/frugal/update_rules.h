@@ -58,16 +58,24 @@ FK_HOST_DEVICE AdamWScalars adamw_scalars(const AdamWHyper& h) {
 }
 
 // One AdamW coordinate: decoupled decay, moment updates, bias-corrected step.
-// m and v are updated in place; the new parameter value is returned.
-FK_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s) {
+// m and v are updated in place, and root_v is set to sqrt(v) of the new v (8-bit
+// moments store a root of it); the new parameter value is returned.
+FK_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s,
+                                  float& root_v) {
   g = g * s.inv_grad_scale;
   if (s.maximize) g = -g;
   p = p * s.decay;
   // torch's lerp(m, g, w) with w = 1 - beta1 < 0.5
   m = m + s.one_minus_beta1 * (g - m);
   v = v * s.beta2 + s.one_minus_beta2 * (g * g);
-  const float denom = sqrtf(v) / s.bc2_sqrt + s.eps;
+  root_v = sqrtf(v);
+  const float denom = root_v / s.bc2_sqrt + s.eps;
   return p - s.step_size * (m / denom);
+}
+
+FK_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s) {
+  float root_v;
+  return adamw_update(p, g, m, v, s, root_v);
 }
 
 // What the state-free coordinates of a FRUGAL step do.

@@ -1,0 +1,165 @@
+"""state_dtype="int8" under FSDP2: the blocks of 8-bit moments lie along rows, so each
+rank holds the codes and scales of its rows, and torch.distributed.checkpoint moves
+them between 2 ranks and 1 process bit for bit (the state of the whole is the same
+on any number of ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import frugal_kernels as fk
+
+from .helpers import fraction_apart, free_port, load, save
+
+STEPS, CUT, BATCH = 4, 2, 8
+
+
+class Net(nn.Module):
+    """A weight of 63 rows of 300 (two blocks per row, the second of 44; rows 32 and 31 on
+    the two ranks) with 8-bit moments, a small one and a norm with fp32 moments."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.big = nn.Linear(300, 63)
+        self.norm = nn.LayerNorm(63)
+        self.out = nn.Linear(63, 1)
+
+    def forward(self, x):
+        return self.out(self.norm(torch.tanh(self.big(x))))
+
+
+def optimizer(model):
+    return fk.FRUGAL([{"params": list(model.parameters()), "projected": False}], lr=1e-2,
+                     weight_decay=0.1, state_dtype="int8")
+
+
+def batches():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 300, generator=gen), torch.randn(BATCH, 1, generator=gen))
+            for _ in range(STEPS)]
+
+
+def train(model, opt, start, stop, rank=0, world=1):
+    per_rank = BATCH // world
+    for x, y in batches()[start:stop]:
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def whole(sd):
+    from torch.distributed.tensor import DTensor
+    if isinstance(sd, DTensor):
+        return sd.full_tensor()
+    if isinstance(sd, dict):
+        return {k: whole(v) for k, v in sd.items()}
+    # A copy: a step count is a view of the counters the next step adds to.
+    return sd.clone() if isinstance(sd, torch.Tensor) else sd
+
+
+def params_of(model):
+    from torch.distributed.tensor import DTensor
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            for p in model.parameters()]
+
+
+def _rank(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded(seed):
+        model = Net(seed)
+        fully_shard(model.big, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    results = {}
+    model = sharded(0)
+    opt = optimizer(model)
+    train(model, opt, 0, CUT, rank, world)
+    save(model, opt, os.path.join(out, "two"))
+    results["at_cut"] = whole(opt.state_dict()["state"])
+    st = opt.state[model.big.weight]
+    results["local"] = {k: (v.dtype, tuple(v.shape)) for k, v in st.items()}
+    train(model, opt, CUT, STEPS, rank, world)
+    results["params"] = params_of(model)
+    # 1 -> 2: the test process saved after CUT steps; the loaded state is its state.
+    model = sharded(5)
+    opt = optimizer(model)
+    load(model, opt, os.path.join(out, "one"))
+    results["loaded_from_one"] = whole(opt.state_dict()["state"])
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("int8"))
+    model = Net()
+    opt = optimizer(model)
+    train(model, opt, 0, CUT)
+    single = {"state": {k: {n: t.clone() for n, t in v.items()}
+                        for k, v in opt.state_dict()["state"].items()}}
+    save(model, opt, os.path.join(out, "one"))
+    train(model, opt, CUT, STEPS)
+    single["params"] = params_of(model)
+    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
+    return out, single, ranks
+
+
+def test_each_rank_holds_the_codes_and_scales_of_its_rows(runs):
+    _, _, ranks = runs
+    for rank, rows in zip(ranks, (32, 31)):
+        local = rank["local"]
+        assert local["exp_avg"] == (torch.int8, (rows, 300))
+        assert local["exp_avg_sq"] == (torch.uint8, (rows, 300))
+        assert local["exp_avg_scale"] == local["exp_avg_sq_scale"] == (torch.float32, (rows, 2))
+
+
+def test_two_ranks_step_as_one_process(runs):
+    _, single, ranks = runs
+    for a, b, c in zip(ranks[0]["params"], ranks[1]["params"], single["params"]):
+        assert torch.equal(a, b)
+        # The reduction of the gradients over two halves rounds otherwise.
+        assert fraction_apart(a, c, tol=1e-4) <= 0.01
+
+
+def test_a_checkpoint_of_one_process_loads_on_two_ranks_bit_for_bit(runs):
+    _, single, ranks = runs
+    for rank in ranks:
+        loaded = rank["loaded_from_one"]
+        assert loaded.keys() == single["state"].keys()
+        for pid, st in single["state"].items():
+            for key, value in st.items():
+                assert loaded[pid][key].dtype == value.dtype
+                assert torch.equal(loaded[pid][key], value), (pid, key)
+
+
+def test_a_checkpoint_of_two_ranks_loads_in_one_process_bit_for_bit(runs):
+    out, _, ranks = runs
+    model = Net(5)
+    opt = optimizer(model)
+    load(model, opt, os.path.join(out, "two"))
+    mine = opt.state_dict()["state"]
+    saved = ranks[0]["at_cut"]
+    assert mine.keys() == saved.keys()
+    for pid, st in saved.items():
+        for key, value in st.items():
+            assert mine[pid][key].dtype == value.dtype
+            assert torch.equal(mine[pid][key], value), (pid, key)
+    assert mine[0]["exp_avg"].dtype == torch.int8
+    assert tuple(mine[0]["exp_avg_scale"].shape) == (63, 2)

@@ -1,0 +1,256 @@
+"""state_dtype="int8": AdamW's moments in 8 bits through the optimizers' plans."""
+
+import pytest
+import torch
+
+import frugal_kernels as fk
+from frugal_kernels import reference
+from frugal_kernels._layout import MomentBlocks
+from frugal_kernels.optim.plan import INT8_MIN_NUMEL
+
+from .helpers import assert_same, grad_sequence, roundtrip, run, set_grads
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+# Two matrices large enough for 8-bit moments (one with a partial block in each row),
+# one too small, a 3-D tensor of rows of 300, and a 1-D tensor (a norm's weight).
+SHAPES = [(64, 300), (40, 128), (10, 10), (20, 2, 150), (5000,)]
+
+
+def make_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def adamw_int8(params, **options):
+    """FRUGAL with every group left unprojected: plain AdamW through the plan."""
+    return fk.FRUGAL([{"params": params, "projected": False}], **HYPER, state_dtype="int8",
+                     **options)
+
+
+def test_int8_adamw_equals_the_reference_loop():
+    """Large matrices step on 8-bit moments, exactly as reference.adamw_int8_; small and
+    1-D tensors keep fp32 moments and step as reference.adamw_."""
+    params = make_params()
+    grads = grad_sequence(params, 6)
+    opt = adamw_int8(params)
+    run(opt, params, grads)
+
+    ref = [p.detach().clone() for p in make_params()]
+    moments = []
+    for p in ref:
+        if p.dim() >= 2 and p.numel() >= INT8_MIN_NUMEL:
+            b = MomentBlocks(p.shape)
+            moments.append((torch.zeros(p.shape, dtype=torch.int8), torch.zeros(b.scale_shape),
+                            torch.zeros(p.shape, dtype=torch.uint8), torch.zeros(b.scale_shape)))
+        else:
+            moments.append((torch.zeros(p.shape), torch.zeros(p.shape)))
+    for step, gs in enumerate(grads, start=1):
+        for p, g, st in zip(ref, gs, moments):
+            kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=step)
+            fn = reference.adamw_int8_ if len(st) == 4 else reference.adamw_
+            fn([p], [g], *([t] for t in st), **kw)
+    for i, (p, r, st) in enumerate(zip(params, ref, moments)):
+        state = opt.state[p]
+        if len(st) == 4:
+            assert torch.equal(p, r), i
+            keys = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
+            assert all(torch.equal(state[k], t) for k, t in zip(keys, st)), i
+        else:
+            # fp32 AdamW: the CPU kernel against the reference's torch ops (FMA, sqrt).
+            assert torch.allclose(p, r, rtol=1e-6, atol=1e-7), i
+            assert state["exp_avg"].dtype == torch.float32
+
+
+def test_state_bytes_count_codes_and_scales():
+    params = make_params()
+    opt = adamw_int8(params)
+    run(opt, params, grad_sequence(params, 1))
+    want = 0
+    for p in params:
+        if p.dim() >= 2 and p.numel() >= INT8_MIN_NUMEL:
+            want += 2 * p.numel() + 2 * 4 * MomentBlocks(p.shape).rows * \
+                MomentBlocks(p.shape).per_row
+        else:
+            want += 8 * p.numel()
+        want += 4  # the step count
+    assert opt.state_bytes() == want
+    fp32 = fk.FRUGAL([{"params": make_params(), "projected": False}], **HYPER)
+    run(fp32, fp32.param_groups[0]["params"], grad_sequence(params, 1))
+    assert opt.state_bytes() < 0.5 * fp32.state_bytes()
+
+
+@pytest.mark.parametrize("options", [dict(), dict(density=0.5, update_gap=3)],
+                         ids=["adamw", "frugal-blocks"])
+def test_state_dict_round_trip_resumes_exactly(options):
+    if options:
+        def build(ps):
+            return fk.FRUGAL([{"params": ps[-1:], "projected": False},
+                              {"params": ps[:-1]}], **HYPER, state_dtype="int8", **options)
+    else:
+        def build(ps):
+            return adamw_int8(ps)
+    params = make_params()
+    grads = grad_sequence(params, 10)
+    opt = build(params)
+    run(opt, params, grads[:5])
+    sd = roundtrip(opt.state_dict())
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = build(resumed_params)
+    resumed.load_state_dict(sd)
+    assert_same(resumed.state_dict(), opt.state_dict())
+    run(opt, params, grads[5:])
+    run(resumed, resumed_params, grads[5:])
+    for a, b in zip(params, resumed_params):
+        assert torch.equal(a, b)
+    assert_same(resumed.state_dict(), opt.state_dict())
+    assert any(st.get("exp_avg", torch.empty(0)).dtype == torch.int8
+               for st in opt.state.values())
+
+
+@pytest.mark.parametrize("saved,loading", [("int8", "fp32"), ("fp32", "int8")])
+def test_a_checkpoint_of_another_state_dtype_is_refused(saved, loading):
+    params = make_params()
+    grads = grad_sequence(params, 2)
+    source = fk.FRUGAL([{"params": params, "projected": False}], **HYPER, state_dtype=saved)
+    run(source, params, grads)
+    sd = roundtrip(source.state_dict())
+    target_params = make_params(1)
+    target = fk.FRUGAL([{"params": target_params, "projected": False}], **HYPER,
+                       state_dtype=loading)
+    run(target, target_params, grads[:1])
+    before = roundtrip(target.state_dict())
+    with pytest.raises(ValueError, match=f"state dict's moments are state_dtype='{saved}' "
+                                         f"but this optimizer's are '{loading}'"):
+        target.load_state_dict(sd)
+    assert_same(target.state_dict(), before)
+    set_grads(target_params, grads[1])
+    target.step()  # still steps with its own state
+
+
+def test_a_checkpoint_without_the_option_is_fp32():
+    params = make_params()
+    opt = fk.FRUGAL([{"params": params, "projected": False}], **HYPER)
+    run(opt, params, grad_sequence(params, 1))
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["state_dtype"]
+    with pytest.raises(ValueError, match="state_dtype='fp32' but this optimizer's are 'int8'"):
+        adamw_int8(make_params()).load_state_dict(sd)
+
+
+def test_corrupt_int8_state_is_refused():
+    params = make_params()
+    opt = adamw_int8(params)
+    run(opt, params, grad_sequence(params, 1))
+    sd = roundtrip(opt.state_dict())
+    sd["state"][0]["exp_avg_scale"] = sd["state"][0]["exp_avg_scale"][:, :1]
+    with pytest.raises(ValueError, match=r"exp_avg_scale is torch.float32 of shape \(64, 1\)"):
+        adamw_int8(make_params()).load_state_dict(sd)
+    sd = roundtrip(opt.state_dict())
+    sd["state"][0]["exp_avg_sq"] = sd["state"][0]["exp_avg_sq"].float()
+    with pytest.raises(ValueError, match="exp_avg_sq has dtype torch.float32, not torch.uint8"):
+        adamw_int8(make_params()).load_state_dict(sd)
+
+
+def test_options_refused():
+    with pytest.raises(ValueError, match="state_dtype must be one of fp32, int8"):
+        fk.FRUGAL(make_params(), state_dtype="fp8")
+    with pytest.raises(ValueError, match="the fused step of projection='columns' takes fp32"):
+        fk.FRUGAL(make_params(), projection="columns", state_dtype="int8")
+
+
+def test_from_optimizer_carries_quantized_moments():
+    params = make_params()
+    torch_opt = torch.optim.AdamW([{"params": params, "projected": False}], lr=1e-2,
+                                  betas=(0.9, 0.99), weight_decay=0.1)
+    run(torch_opt, params, grad_sequence(params, 3))
+    opt = fk.FRUGAL.from_optimizer(torch_opt, state_dtype="int8")
+    old = {p: {k: v.clone() for k, v in torch_opt.state[p].items()} for p in params}
+    set_grads(params, grad_sequence(params, 1, seed=5)[0])
+    expected = [p.detach().clone() for p in params]
+    g = [p.grad for p in params]
+    opt.step()
+    big = params[0]
+    m, ms = reference.quantize_moment(old[big]["exp_avg"], False)
+    v, vs = reference.quantize_moment(old[big]["exp_avg_sq"], True)
+    reference.adamw_int8_([expected[0]], [g[0]], [m], [ms], [v], [vs], lr=1e-2, beta1=0.9,
+                          beta2=0.99, eps=1e-8, weight_decay=0.1, step=4)
+    assert torch.equal(big, expected[0])
+    assert torch.equal(opt.state[big]["exp_avg"], m) and torch.equal(opt.state[big]["step"],
+                                                                      torch.tensor(4.0))
+
+
+def test_adafrugal_takes_the_option():
+    params = make_params()
+    opt = fk.AdaFRUGAL([{"params": params[:2]}, {"params": params[2:], "projected": False}],
+                       rho_start=1.0, dynamic_rho=False, state_dtype="int8")
+    run(opt, params, grad_sequence(params, 2))
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.int8
+
+
+# ---------------------------------------------------------------- swap
+
+def swapped_adamw(params, **options):
+    return fk.swap(torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
+                   state_dtype="int8", **options)
+
+
+def test_swapped_adamw_int8_steps_as_frugal_int8():
+    """The same op calls on the same tensors: the swap and FRUGAL's unprojected groups
+    give the same params and codes; large matrices hold 8-bit moments."""
+    params, twin = make_params(), make_params()
+    grads = grad_sequence(params, 5)
+    opt, frugal = swapped_adamw(params), adamw_int8(twin)
+    run(opt, params, grads)
+    run(frugal, twin, grads)
+    for a, b in zip(params, twin):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale"):
+            if key in frugal.state[b]:
+                assert torch.equal(opt.state[a][key], frugal.state[b][key])
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.int8
+    assert opt.state[params[4]]["exp_avg"].dtype == torch.float32  # 1-D
+
+
+def test_swapped_int8_state_dict_resumes_exactly_and_refuses_fp32():
+    params = make_params()
+    grads = grad_sequence(params, 8)
+    opt = swapped_adamw(params)
+    run(opt, params, grads[:4])
+    sd = roundtrip(opt.state_dict())
+    assert sd["param_groups"][0]["state_dtype"] == "int8"
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = swapped_adamw(resumed_params)
+    resumed.load_state_dict(sd)
+    assert resumed.state[resumed_params[0]]["exp_avg"].dtype == torch.int8
+    run(opt, params, grads[4:])
+    run(resumed, resumed_params, grads[4:])
+    for a, b in zip(params, resumed_params):
+        assert torch.equal(a, b)
+    # An fp32 checkpoint (torch's AdamW) into the int8 swap: refused, nothing changes.
+    plain = torch.optim.AdamW(make_params(), lr=1e-2)
+    run(plain, plain.param_groups[0]["params"], grads[:1])
+    before = roundtrip(resumed.state_dict())
+    with pytest.raises(ValueError, match="state_dtype='fp32' but this swapped optimizer's "
+                                         "are 'int8'"):
+        resumed.load_state_dict(plain.state_dict())
+    assert_same(resumed.state_dict(), before)
+
+
+def test_swap_int8_undo_hands_torch_fp32_moments_and_refusals():
+    params = make_params()
+    opt = swapped_adamw(params)
+    run(opt, params, grad_sequence(params, 2))
+    codes = {k: opt.state[params[0]][k].clone() for k in
+             ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")}
+    fk.swap(opt, undo=True)
+    st = opt.state[params[0]]
+    assert st["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in st
+    assert torch.equal(st["exp_avg_sq"], reference.dequantize_moment(
+        codes["exp_avg_sq"], codes["exp_avg_sq_scale"], True))
+    run(opt, params, grad_sequence(params, 1))  # torch's own step
+    with pytest.raises(ValueError, match="an SGD's momentum buffers stay fp32"):
+        fk.swap(torch.optim.SGD(make_params(), lr=0.1, momentum=0.9), state_dtype="int8")
+    with pytest.raises(ValueError, match="swap it before its first step"):
+        fk.swap(opt, state_dtype="int8")
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        fk.swap(torch.optim.AdamW(make_params()), state_dtype="bf16")
