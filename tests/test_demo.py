@@ -670,3 +670,14 @@ def test_plot_names_the_runs_lrs_has_a_time_panel_and_tells_lines_apart(tmp_path
     steps[-1]["rho"] = 0.15
     titles = [ax.get_title() for ax in plots.figure(metrics).axes]
     assert any(t.startswith("T:") for t in titles) and any(t.startswith("rho:") for t in titles)
+
+
+def test_the_int8_state_rows_hold_about_a_quarter_of_their_twins_state(tmp_path):
+    out = tmp_path / "demo8"
+    assert main(["demo", "--optimizers", "adamw", "adamw-8bit", "frugal", "frugal-8bit",
+                 "--steps", "2", "--eval-every", "2", "--out", str(out), *TINY_ARGS]) == 0
+    runs = json.loads((out / "metrics.json").read_text())["runs"]
+    for twin in ("adamw", "frugal"):
+        ours, fp32 = runs[f"{twin}-8bit"]["summary"], runs[twin]["summary"]
+        assert ours["state_bytes"] < 0.3 * fp32["state_bytes"], twin
+        assert ours["final_val_loss"] == pytest.approx(fp32["final_val_loss"], rel=1e-3), twin

@@ -23,6 +23,7 @@ from frugal_kernels.lab.train import OptimizerFactory, TrainConfig, lr_groups
 from frugal_kernels.model import LlamaConfig
 from frugal_kernels.nn import quantize_
 from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam, step_in_backward
+from frugal_kernels.optim.swap import swap
 
 __all__ = ["BADAM_SWITCH_EVERY", "DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "OPTIMIZERS",
            "UPDATE_GAP", "available", "resolve", "row_config", "run_config", "tuned_for"]
@@ -79,6 +80,17 @@ def _adamw(model, config: TrainConfig) -> torch.optim.Optimizer:
 def _frugal(model, config: TrainConfig) -> FRUGAL:
     return FRUGAL(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
                   density=0.25, update_gap=UPDATE_GAP, projection="blocks")
+
+
+def _frugal_int8(model, config: TrainConfig) -> FRUGAL:
+    return FRUGAL(lr_groups(model, config), lr=config.lr, weight_decay=config.weight_decay,
+                  density=0.25, update_gap=UPDATE_GAP, projection="blocks", state_dtype="int8")
+
+
+def _adamw_int8(model, config: TrainConfig) -> torch.optim.Optimizer:
+    """torch's AdamW with its step swapped for ours on blockwise int8 moments."""
+    return swap(torch.optim.AdamW(lr_groups(model, config), lr=config.lr,
+                                  weight_decay=config.weight_decay), state_dtype="int8")
 
 
 def _frugal_in_backward(model, config: TrainConfig) -> FRUGAL:
@@ -204,6 +216,16 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
                                   note="the FRUGAL row's optimizer stepped inside backward: it "
                                        "differs from that row only by rounding (the clip's "
                                        "norm is summed in another order)"),
+    # Our 8-bit moments (blocks of 256 along rows, fp32 scales): each takes its fp32 twin's
+    # tuning, so that the rows differ only by the state's precision.
+    "frugal-8bit": DemoOptimizer("FRUGAL rho=0.25, int8 state", "royalblue", _frugal_int8,
+                                 tuned_as="frugal",
+                                 note="the FRUGAL row with its AdamW moments as int8 codes "
+                                      "and one fp32 scale per 256 elements"),
+    "adamw-8bit": DemoOptimizer("AdamW, int8 state (ours)", "darkgray", _adamw_int8,
+                                tuned_as="adamw",
+                                note="torch's AdamW swapped onto our fused step with int8 "
+                                     "moments"),
     "adafrugal": DemoOptimizer("AdaFRUGAL", "tab:orange", _adafrugal,
                                describe=_rho_reached("AdaFRUGAL"), note=_adafrugal_note),
     "adafrugal+governor": DemoOptimizer("AdaFRUGAL+governor", "tab:red", _adafrugal,
@@ -256,10 +278,12 @@ OPTIMIZERS.update((name, _peer(spec)) for name, spec in PEERS.items())
 # and DQT in backward, which `--optimizers dqt8 dqt3 dqt2 dqt4-frugal+inbwd ...` adds (each
 # run costs about a minute on a 2-core CPU).
 # Nor the +select rows, which pay on noisy data (`--optimizers adamw adamw+select
-# --data-noise 0.3`).
+# --data-noise 0.3`), nor the int8-state twins (`--optimizers frugal frugal-8bit`), so that
+# the default demo keeps its five minutes.
 DEFAULT_RUNS = tuple(name for name in OPTIMIZERS
                      if (not name.startswith("dqt") or name in ("dqt4", "dqt4-frugal"))
-                     and not OPTIMIZERS[name].selects)
+                     and not OPTIMIZERS[name].selects
+                     and name not in ("frugal-8bit", "adamw-8bit"))
 
 # TrainConfig's defaults are the demo's (docs/demo.md); each optimizer's two learning rates
 # come from tuned.json, where a sweep recorded them for the model preset.
