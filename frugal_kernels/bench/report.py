@@ -125,7 +125,8 @@ def markdown(result: dict) -> str:
                   "again costs on top of a steady one.", ""]
         lines += _table(["optimizer", "us/step", "x fused AdamW", "change, us"],
                         [[r["optimizer"], f"{r['step_us']:.0f}", f"{r['vs_torch_adamw_fused']:.2f}",
-                          f"{r['change_us']:.0f}"] for r in over["rows"]])
+                          "-" if r["change_us"] is None else f"{r['change_us']:.0f}"]
+                         for r in over["rows"]])
     lines += _in_backward_lines(result.get("in_backward"))
     dqt = result.get("dqt")
     if dqt:

@@ -35,7 +35,8 @@ from frugal_kernels.optim.protocol import FrugalOptimizer
 from frugal_kernels.optim.sharding import ShardLayout
 
 __all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "by_device", "check_adamw_options", "check_int",
-           "check_nonfinite", "check_number", "first_nonfinite", "skip_flag"]
+           "check_lr", "check_nonfinite", "check_number", "count_steps", "first_nonfinite",
+           "skip_flag", "uncount_skipped"]
 
 _ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "exp_avg_scale", "exp_avg_sq_scale")
 
@@ -250,11 +251,8 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
             # loaded state dict): packed once per plan.
             self._steps = plan.pack_step_counters(self._plan, self.state)
             self._steps_plan = self._plan
-        # The count after this update, which the kernels' bias correction takes; a
-        # skipped step takes it back after the update (_uncount_skipped), so that the
-        # counts hold the number of applied steps without the host reading the flag.
-        for steps in self._steps.values():
-            steps.add_(1.0)
+        # Taken back after the update if the step is skipped (_uncount_skipped).
+        count_steps(self._counters())
         if self._draws_random_numbers:
             _refuse_capture({b.params[0].device for b in self._plan})
             rng_step = self._rng_step()
@@ -282,10 +280,11 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
     def _uncount_skipped(self, found_inf: Optional[Tensor]) -> None:
         """Take back the step counted by :meth:`_prepare_step` if the ops skipped it
         (``found_inf`` set), on the device: queued after the step's op calls."""
-        if found_inf is None:
-            return
-        for device, steps in self._steps.items():
-            steps.sub_(on_device(found_inf, device))
+        uncount_skipped(self._counters(), found_inf)
+
+    def _counters(self) -> Dict[torch.device, List[Tensor]]:
+        """The plan's packed step counts, as :func:`count_steps` takes them."""
+        return {device: [steps] for device, steps in self._steps.items()}
 
     def _shard_groups(self) -> List[Any]:
         """The process groups the DTensor parameters are sharded over, once each."""
@@ -721,6 +720,23 @@ def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
     return flag
 
 
+def count_steps(steps: Dict[torch.device, List[Tensor]]) -> None:
+    """Count a step in the bias-correction step counts ``steps`` (per device) before its
+    update: the kernels' bias correction takes the count after the update."""
+    for on_dev in steps.values():
+        torch._foreach_add_(on_dev, 1.0)
+
+
+def uncount_skipped(steps: Dict[torch.device, List[Tensor]], found_inf: Optional[Tensor]) -> None:
+    """Take back the step :func:`count_steps` counted where the ops skipped it (``found_inf``
+    non-zero), on the device, queued after the update: the counts hold the number of
+    applied steps without the host reading the flag."""
+    if found_inf is None:
+        return
+    for device, on_dev in steps.items():
+        torch._foreach_sub_(on_dev, on_device(found_inf, device).reshape(()))
+
+
 def by_device(tensors: List[Tensor]) -> Dict[torch.device, List[Tensor]]:
     """``tensors`` grouped by device, in their order; the common case of one device without
     building a dict of lists."""
@@ -885,11 +901,10 @@ def check_number(value: Any, name: str, where: str, low: float = 0.0) -> None:
         raise ValueError(f"{where}: {name} must be finite and >= {low:g}, got {value!r}")
 
 
-def check_adamw_options(group: dict, where: str, read_device: bool = False) -> None:
-    """Raise unless ``group``'s lr, betas, eps and weight_decay are valid AdamW options:
-    lr, eps and weight_decay finite and >= 0, betas a pair in [0, 1). A tensor lr is
-    checked by value where that needs no device sync (on the CPU, or ``read_device``)."""
-    lr = group.get("lr")
+def check_lr(lr: Any, where: str, read_device: bool = False) -> None:
+    """Raise unless ``lr`` is a finite number >= 0, or a one-element real tensor holding
+    one; a tensor is checked by value where that needs no device sync (on the CPU, or
+    ``read_device``)."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"{where}: a tensor lr must have one element")
@@ -899,6 +914,13 @@ def check_adamw_options(group: dict, where: str, read_device: bool = False) -> N
             check_number(float(lr), "lr", where)
     else:
         check_number(lr, "lr", where)
+
+
+def check_adamw_options(group: dict, where: str, read_device: bool = False) -> None:
+    """Raise unless ``group``'s lr, betas, eps and weight_decay are valid AdamW options:
+    lr (see :func:`check_lr`), eps and weight_decay finite and >= 0, betas a pair in
+    [0, 1)."""
+    check_lr(group.get("lr"), where, read_device)
     betas = group.get("betas")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")

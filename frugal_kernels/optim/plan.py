@@ -41,6 +41,7 @@ from frugal_kernels.optim.sharding import ShardLayout, local
 unchecked = ops.unchecked
 
 __all__ = ["ADAMW", "ADAMW_INT8", "ADAMW_INT8_MASTER", "ADAMW_MASTER", "INT8_MIN_NUMEL",
+           "SGD", "SGD_FIRST",
            "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "adamw_assignment", "build",
            "ensure_moments", "stores_int8",
            "release", "run", "signature", "single", "pack_step_counters"]
@@ -57,9 +58,11 @@ class Assignment:
     ``state["projection"]``, the state-free rule on the residual);
     ``"adamw_int8"`` is ``"adamw"`` on 8-bit moments (``ops.adamw_int8_``: codes in
     ``exp_avg`` / ``exp_avg_sq``, their block scales in ``exp_avg_scale`` /
-    ``exp_avg_sq_scale``); ``"adamw_master"`` is AdamW on an fp32 master copy (``state["master"]``) of a
-    bf16 / fp16 tensor, rounded into it after every call (BAdam's), and
-    ``"adamw_int8_master"`` the same on 8-bit moments. DQT's
+    ``exp_avg_sq_scale``), either with torch.optim.Adam's coupled weight decay when
+    ``coupled`` (a swapped torch Adam's); ``"sgd"`` is torch.optim.SGD (``"sgd_first"``
+    its first step with momentum, a swapped SGD's); ``"adamw_master"`` is AdamW on an
+    fp32 master copy (``state["master"]``) of a bf16 / fp16 tensor, rounded into it
+    after every call (BAdam's), and ``"adamw_int8_master"`` the same on 8-bit moments. DQT's
     quantized weights take ``"dqt_adamw"``, ``"dqt_state_free"`` and
     ``"dqt_subset"``: the same three splits applied to their packed codes by
     one ``dqt_update_`` call. Tensors whose assignments are equal can share an
@@ -72,6 +75,7 @@ class Assignment:
     full_rank: bool = False                  # lowrank at full rank: no residual
     fused: bool = False                      # lowrank: the whole step in one op call
     bits: int = 0                            # dqt: the code width of every weight of the call
+    coupled: bool = False                    # adamw(_int8): torch.optim.Adam's L2 decay
 
     @property
     def stateful(self) -> bool:
@@ -80,6 +84,8 @@ class Assignment:
 
 ADAMW = Assignment("adamw")
 ADAMW_INT8 = Assignment("adamw_int8")
+SGD = Assignment("sgd")
+SGD_FIRST = Assignment("sgd_first")
 ADAMW_MASTER = Assignment("adamw_master")
 ADAMW_INT8_MASTER = Assignment("adamw_int8_master")
 STATE_FREE = Assignment("state_free")
@@ -270,8 +276,12 @@ def run(bucket: Bucket, grads: List[Tensor], backend: str,
 
 def _moments(bucket: Bucket):
     states = bucket.states
-    return (states, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-            bucket.states[0]["step"])
+    m, v = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
+    if any(bucket.layouts):
+        # A swapped torch optimizer keeps torch's state, DTensors like its parameters
+        # (the package's own optimizers keep the local rows): the ops take their blocks.
+        m, v = [local(t) for t in m], [local(t) for t in v]
+    return states, m, v, bucket.states[0]["step"]
 
 
 def _prepared(bucket: Bucket, prepare: Callable[[], Callable[..., None]]) -> Callable[..., None]:
@@ -286,10 +296,7 @@ def _prepared(bucket: Bucket, prepare: Callable[[], Callable[..., None]]) -> Cal
 
 
 def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
-    group = bucket.group
-    beta1, beta2 = group["betas"]
-    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"], **amp)
+    grads, hyper = _adamw_hyper(bucket, params, grads, amp)
     if calls is unchecked:
         _prepared(bucket, lambda: unchecked.prepare_adamw_(
             params, *_moments(bucket)[1:3], backend=backend))(grads, **hyper)
@@ -298,10 +305,7 @@ def _adamw(bucket: Bucket, params, grads, backend, calls, amp) -> None:
 
 
 def _adamw_int8(bucket: Bucket, params, grads, backend, calls, amp) -> None:
-    group = bucket.group
-    beta1, beta2 = group["betas"]
-    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"], **amp)
+    grads, hyper = _adamw_hyper(bucket, params, grads, amp)
     moments = [[st[key] for st in bucket.states]
                for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
     if calls is unchecked:
@@ -309,6 +313,43 @@ def _adamw_int8(bucket: Bucket, params, grads, backend, calls, amp) -> None:
             params, *moments, backend=backend))(grads, **hyper)
         return
     calls.adamw_int8_(params, grads, *moments, backend=backend, **hyper)
+
+
+def _adamw_hyper(bucket: Bucket, params, grads, amp):
+    """The gradients and keywords of an AdamW call. A torch optimizer's group may say
+    maximize (frugal_kernels.swap; the package's own groups do not). A torch Adam's
+    decay is coupled (``assignment.coupled``): ``g = (-g if maximize) + weight_decay *
+    p`` is formed from the unscaled gradient first (one extra pass), then AdamW runs
+    without decay, as torch's single-tensor step rounds it."""
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    weight_decay, maximize = group["weight_decay"], group.get("maximize", False)
+    if bucket.assignment.coupled and weight_decay != 0:
+        if "grad_scale" in amp:
+            grads = torch._foreach_mul(grads, inverse_grad_scale(amp["grad_scale"]))
+        if maximize:
+            grads = torch._foreach_neg(grads)
+        grads = torch._foreach_add(grads, params, alpha=float(weight_decay))
+        amp = {"found_inf": amp["found_inf"]} if "found_inf" in amp else {}
+        weight_decay, maximize = 0.0, False
+    return grads, dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=weight_decay, maximize=maximize,
+                       step=bucket.states[0]["step"], **amp)
+
+
+def _sgd(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+    """torch.optim.SGD, its momentum buffers in ``state["momentum_buffer"]`` (none without
+    momentum); an ``"sgd_first"`` call starts them from the gradients, as torch's first
+    step does."""
+    group = bucket.group
+    momentum = float(group["momentum"])
+    buffers = [st["momentum_buffer"] for st in bucket.states] if momentum else []
+    if any(bucket.layouts):
+        buffers = [local(b) for b in buffers]
+    calls.sgd_(params, grads, buffers, lr=bucket.lr, momentum=momentum,
+               dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
+               nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]),
+               first_step=bucket.assignment.rule == "sgd_first", backend=backend, **amp)
 
 
 def _on_masters(runner: Callable[..., None]) -> Callable[..., None]:
@@ -507,6 +548,8 @@ RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], str, Any, dict]
                             None]] = {
     "adamw": _adamw,
     "adamw_int8": _adamw_int8,
+    "sgd": _sgd,
+    "sgd_first": _sgd,
     "adamw_master": _on_masters(_adamw),
     "adamw_int8_master": _on_masters(_adamw_int8),
     "state_free": _state_free,

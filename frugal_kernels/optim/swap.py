@@ -13,9 +13,21 @@ decoupled weight decay is ``adamw_``'s own; Adam's coupled (L2) decay is
 added to the gradient first (``g + weight_decay * p``, one extra pass) and
 ``adamw_`` then runs without decay; SGD runs on ``sgd_``.
 
+The swapped step is built from the step engine's pieces (optim/base.py,
+optim/plan.py): its op calls are the engine's plan (``plan.build`` /
+``plan.run`` with the ``adamw`` and ``adamw_int8`` rules, ``coupled`` for
+Adam's L2 decay, and the ``sgd`` and ``sgd_first`` rules, kept between steps,
+see _group_plan), its option values are checked by
+the engine's checks, the skip decision is its ``skip_flag`` and the step
+counts are counted and taken back by its ``count_steps`` /
+``uncount_skipped``. The state stays torch's (a count per tensor, in torch's
+dtype and on torch's device), not the engine's packed counts.
+
 What a swapped step refuses, with a ValueError naming the group and option:
-``amsgrad``, ``capturable`` and ``differentiable`` set, sparse gradients,
-non-contiguous parameters and parameters that are not float32 (torch keeps their state in the parameter's
+``amsgrad``, ``capturable`` and ``differentiable`` set, option values the
+engine refuses (an lr, eps, weight_decay, momentum or dampening not finite and
+>= 0, betas outside [0, 1)), sparse gradients, non-contiguous parameters and
+parameters that are not float32 (torch keeps their state in the parameter's
 dtype, which the fused ops, with float32 state, do not store). The
 ``foreach`` and ``fused`` flags are ignored: the fused ops replace both
 paths (a ``fused`` group's new ``step`` tensors still live where torch's
@@ -25,9 +37,9 @@ A ``fused=True`` torch AdamW / Adam / SGD tells a GradScaler that its step
 unscales the gradients and skips on an inf itself (``_step_supports_amp_scaling``):
 the swapped step does both as torch's fused step does, with the scaler's
 ``grad_scale`` and ``found_inf`` handed to the fused ops, decided on the device
-(no host sync). The step counts are counted before the update and take
-``found_inf`` back after it, as torch's fused step does, so a skipped step
-leaves them as they were.
+(no host sync). The step counts are counted before the update and take a
+skipped step back after it, as torch's fused step does, so a skipped step
+leaves them as they were (a scaler's sum of two devices' flags counts as one).
 
 The swap also gives the instance ``clip_grad_norm_(max_norm, norm_type=2.0,
 error_if_nonfinite=False)``, the step engine's clip: the global norm and the
@@ -43,6 +55,7 @@ calls ``opt.clip_grad_norm_`` the same way on every optimizer of the package.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Tuple
@@ -51,12 +64,12 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from frugal_kernels import ops, reference
-from frugal_kernels._layout import STATE_DTYPES, inverse_grad_scale, on_device
-from frugal_kernels.optim import sharding
-from frugal_kernels.optim.base import (by_device, clip_factor, clipped_scale,
-                                       refuse_clip_in_backward)
-from frugal_kernels.optim.plan import ensure_moments, stores_int8
+from frugal_kernels import reference
+from frugal_kernels._layout import STATE_DTYPES, on_device
+from frugal_kernels.optim import plan, sharding
+from frugal_kernels.optim.base import (by_device, check_adamw_options, check_lr, check_number,
+                                       clip_factor, clipped_scale, count_steps,
+                                       refuse_clip_in_backward, skip_flag, uncount_skipped)
 from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
@@ -66,7 +79,8 @@ __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 _SAVED = "_frugal_swap_saved_step"
 # Where it keeps the backend of the swapped step.
 _BACKEND = "_frugal_swap_backend"
-# Where it keeps each Adam(W) group's op calls (see _adam_calls).
+# Where it keeps each group's plan of op calls, and each tensor's that steps in
+# backward (see _group_plan).
 _CALLS = "_frugal_swap_calls"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 # Where clip_grad_norm_ leaves (clip factor, non-finite flag) for the next step.
@@ -136,7 +150,7 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
                         f"{kind.__module__}.{kind.__qualname__}")
     if _SAVED in optimizer.__dict__:
         return optimizer
-    _check_groups(optimizer)
+    _check_groups(optimizer, read_device=True)
     _check_state_dtype(optimizer, state_dtype)
     group_step = _STEPS[kind]
 
@@ -148,17 +162,9 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
                 loss = closure()
         # An LR scheduler attached before the swap watches this flag.
         self._opt_called = True
-        _check_groups(self)
-        # A GradScaler sets these only on an optimizer whose step unscales and skips
-        # (a fused torch optimizer); the swapped step then does it in the fused ops.
-        amp = {"grad_scale": getattr(self, "grad_scale", None),
-               "found_inf": getattr(self, "found_inf", None)}
+        with_grads = _check_groups(self)
         clip = self.__dict__.pop(_CLIP, None)  # taken by this step, whatever happens below
-        if clip is not None:
-            amp["grad_scale"] = clipped_scale(amp["grad_scale"], clip[0])
-            # A GradScaler's flag was computed over these gradients: it stands.
-            if amp["found_inf"] is None:
-                amp["found_inf"] = clip[1]
+        amp = _amp(self, with_grads, clip)
         for group in self.param_groups:
             group_step(self, group, backend, amp=amp)
         return loss
@@ -177,6 +183,24 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
     optimizer.step = types.MethodType(hooked, optimizer)
     optimizer.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, optimizer)
     return optimizer
+
+
+def _amp(optimizer: Optimizer, with_grads: List[Tuple[int, int, Tensor]],
+         clip: Optional[Tuple[Tensor, Tensor]]) -> dict:
+    """The ``grad_scale`` and ``found_inf`` of a swapped step's op calls. A GradScaler sets
+    its tensors only on an optimizer whose step unscales and skips (a fused torch
+    optimizer). The skip is decided by the engine's :func:`skip_flag` under torch's own
+    policy, ``"propagate"``, but where a pending clip has already read the gradients:
+    its flag is then the step's (``"skip"`` without a read of its own). A GradScaler's
+    flag stands over a clip's (it was computed over these gradients), and neither needs
+    the ranks of FSDP2 to agree again (a sharded scaler's and a clip's already do)."""
+    grad_scale, clip_flag = getattr(optimizer, "grad_scale", None), None
+    if clip is not None:
+        grad_scale, clip_flag = clipped_scale(grad_scale, clip[0]), clip[1]
+    found_inf = skip_flag(getattr(optimizer, "found_inf", None),
+                          "propagate" if clip is None else "skip", with_grads, [],
+                          clip_flag=clip_flag)
+    return {"grad_scale": grad_scale, "found_inf": found_inf}
 
 
 def _clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -241,14 +265,20 @@ def tensor_steps(optimizer: Optimizer) -> _TensorSteps:
     return _TensorSteps(optimizer)
 
 
-def _check_groups(optimizer: Optimizer) -> None:
+def _check_groups(optimizer: Optimizer, read_device: bool = False
+                  ) -> List[Tuple[int, int, Tensor]]:
+    """Raise unless every group's options and tensors are ones the swapped step honours
+    (``read_device``: a tensor lr on a GPU may be read, a sync); the tensors with
+    gradients, as (group index, index in the group, tensor)."""
+    with_grads = []
     for i, group in enumerate(optimizer.param_groups):
         for option in _REFUSED:
             if group.get(option, False):
                 raise ValueError(f"swap: param group {i} sets {option}=True, which the fused "
                                  "ops do not implement; leave the optimizer unswapped or "
                                  f"set {option}=False")
-        for p in group["params"]:
+        _CHECKS[type(optimizer)](group, f"swap: param group {i}", read_device)
+        for j, p in enumerate(group["params"]):
             if p.dtype != torch.float32:
                 raise ValueError(f"swap: param group {i} holds a {p.dtype} parameter; the "
                                  "swapped step runs float32 parameters only (torch keeps "
@@ -257,9 +287,19 @@ def _check_groups(optimizer: Optimizer) -> None:
                 raise ValueError(f"swap: param group {i} holds a non-contiguous parameter; "
                                  "the fused ops update parameters in place and need them "
                                  "contiguous")
-            if p.grad is not None and p.grad.layout != torch.strided:
-                raise ValueError(f"swap: param group {i} has a sparse gradient "
-                                 f"({p.grad.layout}); the fused ops take dense gradients")
+            if p.grad is not None:
+                if p.grad.layout != torch.strided:
+                    raise ValueError(f"swap: param group {i} has a sparse gradient "
+                                     f"({p.grad.layout}); the fused ops take dense gradients")
+                with_grads.append((i, j, p))
+    return with_grads
+
+
+def _check_sgd_options(group: dict, where: str, read_device: bool = False) -> None:
+    """lr as the engine checks it; momentum, dampening and weight_decay finite and >= 0."""
+    check_lr(group.get("lr"), where, read_device)
+    for name in ("momentum", "dampening", "weight_decay"):
+        check_number(group.get(name), name, where)
 
 
 def _check_state_dtype(optimizer: Optimizer, state_dtype: str) -> None:
@@ -339,143 +379,153 @@ def _new_step(group: dict, p: Tensor) -> Tensor:
 
 def _adam_group(optimizer: Optimizer, group: dict, backend: str,
                 params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
-    decoupled = type(optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
-    beta1, beta2 = (float(b) for b in group["betas"])
-    weight_decay = float(group["weight_decay"])
-    maximize = bool(group["maximize"])
-    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
     with_grads = _with_grads(group, params)
+    if not with_grads:
+        return
     for p in with_grads:
         state = optimizer.state[p]
         if len(state) == 0:
-            if _int8(optimizer) and stores_int8({"state_dtype": "int8"}, p):
-                ensure_moments(state, p.shape, p.device, int8=True)
+            if _int8(optimizer) and plan.stores_int8({"state_dtype": "int8"}, p):
+                plan.ensure_moments(state, p.shape, p.device, int8=True)
             state["step"] = _new_step(group, p)
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     steps = [optimizer.state[p]["step"] for p in with_grads]
-    if steps and _capturing() and any(step.device.type == "cpu" for step in steps):
+    if _capturing() and any(step.device.type == "cpu" for step in steps):
         # The kernels read a host step count when they are launched: a captured step
         # would replay with the bias correction of the step it was captured at.
         raise RuntimeError(
             f"{type(optimizer).__name__} keeps its step counts on the host, which a CUDA graph "
             "capture would freeze at their value now; build it with fused=True (its counts "
             "live on the GPU) to capture its swapped step, as torch asks of its own AdamW")
-    whole = params is None
-    split = _adam_calls(optimizer, group, with_grads, whole)
-    if steps:
-        torch._foreach_add_(steps, 1.0)
-    for params in split:
+    coupled = not (type(optimizer) is torch.optim.AdamW
+                   or group.get("decoupled_weight_decay", False))
+
+    def assign(gi: int, g: dict, i: int, p: Tensor) -> plan.Assignment:
+        # fp32 or 8-bit moments (state_dtype="int8"): each tensor's own.
+        rule = plan.adamw_assignment(optimizer.state[p])
+        return dataclasses.replace(rule, coupled=True) if coupled else rule
+
+    buckets = _group_plan(optimizer, group, with_grads, params is None, coupled, assign,
+                          optimizer.state)
+    counters = by_device(steps)
+    count_steps(counters)
+    _run(group, buckets, backend, amp)
+    uncount_skipped(counters, (amp or {}).get("found_inf"))
+    _keep(optimizer, group, with_grads, params is None, coupled, buckets)
+
+
+def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
+               params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
+    with_grads = _with_grads(group, params)
+    if not with_grads:
+        return
+    momentum = float(group["momentum"]) != 0
+    # A param without a buffer starts it from its gradient: its own call.
+    first = set()
+    for p in with_grads:
+        state = optimizer.state[p] if momentum else None
+        if momentum and state.get("momentum_buffer") is None:
+            first.add(p)
+            # Zeros rather than empty: a first step that found_inf skips leaves the
+            # buffer as it is, and the next step takes it as started (from zero).
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def assign(gi: int, g: dict, i: int, p: Tensor) -> plan.Assignment:
+        return plan.SGD_FIRST if p in first else plan.SGD
+
+    # torch keeps no state without momentum: the plan's state entries are thrown away.
+    state = optimizer.state if momentum else defaultdict(dict)
+    key = (momentum, bool(first))
+    buckets = _group_plan(optimizer, group, with_grads, params is None, key, assign, state)
+    _run(group, buckets, backend, amp)
+    _keep(optimizer, group, with_grads, params is None, key, buckets)
+
+
+def _run(group: dict, buckets: List[plan.Bucket], backend: str, amp: Optional[dict]) -> None:
+    """The group's op calls (plan.run), with the step's GradScaler and skip tensors."""
+    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
+    # The calls take a tensor lr (a float one, what LR schedulers set, as the engine's).
+    lr = group["lr"]
+    lr = lr if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+    for bucket in buckets:
         # DTensor parameters (FSDP2) keep torch's state, DTensors like them, which
         # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
         # local blocks of all of them.
-        step = optimizer.state[params[0]]["step"]
-        int8 = "exp_avg_scale" in optimizer.state[params[0]]
-        scales = [[optimizer.state[p][key] for p in params]
-                  for key in ("exp_avg_scale", "exp_avg_sq_scale")] if int8 else None
-        grads = [local(p.grad) for p in params]
-        exp_avgs = [local(optimizer.state[p]["exp_avg"]) for p in params]
-        exp_avg_sqs = [local(optimizer.state[p]["exp_avg_sq"]) for p in params]
-        params = [local(p) for p in params]
-        device = params[0].device
-        scale = on_device(grad_scale, device)
-        kwargs = dict(weight_decay=weight_decay, maximize=maximize, grad_scale=scale,
-                      found_inf=on_device(found_inf, device))
-        if not decoupled and weight_decay != 0:
-            # torch.optim.Adam: g = (-g if maximize) + weight_decay * p, then no decay;
-            # the L2 term joins the unscaled gradient.
-            if scale is not None:
-                grads = torch._foreach_mul(grads, inverse_grad_scale(scale))
-            if maximize:
-                grads = torch._foreach_neg(grads)
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
-            kwargs.update(weight_decay=0.0, maximize=False, grad_scale=None)
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                     step=step, backend=backend, **kwargs)
-        if int8:
-            ops.adamw_int8_(params, grads, exp_avgs, scales[0], exp_avg_sqs, scales[1],
-                            **hyper)
-        else:
-            ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, **hyper)
-    if steps and found_inf is not None:
-        # Queued after the update: a skipped step takes its count back (on the device).
-        for device, device_steps in by_device(steps).items():
-            torch._foreach_sub_(device_steps, on_device(found_inf, device).reshape(()))
-    if whole:
-        # Kept once the step is done (one that raised halfway keeps nothing, and the next
-        # splits afresh). The step tensors are held, so that none of them is freed and
-        # another made at its address (the check is by identity).
-        optimizer.__dict__.setdefault(_CALLS, {})[id(group)] = (steps, _versions(steps), split)
+        device = bucket.params[0].device
+        bucket.lr = lr
+        plan.run(bucket, [local(p.grad) for p in bucket.params], backend,
+                 on_device(grad_scale, device), on_device(found_inf, device))
 
 
-def _adam_calls(optimizer: Optimizer, group: dict, with_grads: List[Tensor],
-                whole: bool) -> List[List[Tensor]]:
-    """``with_grads`` split into op calls, one per device and step count (params added
-    later count their own steps). Finding the counts reads every ``state["step"]`` (a
-    host sync each for a fused group's device counts), so a whole group's split is kept
-    and reused while the group steps the same tensors with the same step tensors, none
-    of them written since (their version counters as the last step left them): every
-    step adds the same to all of them, so equal counts stay equal. A count reset in
-    place (``state["step"].zero_()``, as some loops do on restarts) moves its version,
-    and the group is split again by the counts it holds now."""
-    steps = [optimizer.state[p]["step"] for p in with_grads]
-    if whole:
-        kept = optimizer.__dict__.get(_CALLS, {}).get(id(group))
-        if kept is not None and len(kept[0]) == len(steps) and \
-                all(a is b for a, b in zip(kept[0], steps)) and \
-                kept[1] is not None and kept[1] == _versions(steps):
-            return kept[2]
-    calls: Dict[Tuple[torch.device, float, bool], List[Tensor]] = defaultdict(list)
-    for p, step in zip(with_grads, steps):
-        calls[(p.device, float(step), "exp_avg_scale" in optimizer.state[p])].append(p)
-    return list(calls.values())
+def _group_plan(optimizer: Optimizer, group: dict, with_grads: List[Tensor], whole: bool,
+                key, assign: Callable[..., plan.Assignment], state) -> List[plan.Bucket]:
+    """``with_grads`` bucketed into op calls by the engine's plan (:func:`plan.build`: one
+    per rule, device and step count, params added later counting their own steps; not
+    ``whole``: the one tensor a step in backward updates, :func:`plan.single`), each
+    tensor's rule given by ``assign``. Building it reads every ``state["step"]`` (a host
+    sync each for a fused group's device counts), so the plan is kept (:func:`_keep`) and
+    reused while the group (the tensor) steps the same tensors with the same state
+    tensors and ``key`` (what decides the rules), none of the state written since (their
+    version counters as the last step left them): every step adds the same to all the
+    counts, so equal counts stay equal. A count reset in place (``state["step"].zero_()``,
+    as some loops do on restarts) moves its version, and the group is bucketed again by
+    the counts it holds now. A kept plan's calls go around the checks (plan.run)."""
+    kept = optimizer.__dict__.get(_CALLS, {}).get(_where(group, with_grads, whole))
+    if kept is not None and kept[0] == key and kept[1] is not None:
+        held = [*with_grads, *_state_tensors(optimizer, with_grads)]
+        if len(kept[2]) == len(held) and all(a is b for a, b in zip(kept[2], held)) and \
+                kept[1] == _versions(held[len(with_grads):]):
+            return kept[3]
+
+    def lr(gi: int, g: dict):
+        return g["lr"]
+
+    if not whole:
+        # A step in backward's tensor (never a DTensor there): its own call.
+        return [plan.single(0, group, 0, with_grads[0], state, assign, lr)]
+    layouts = {p: sharding.layout_of(p, f"a parameter of shape {tuple(p.shape)}")
+               for p in with_grads if sharding.is_sharded(p)}
+    return plan.build([group], state, assign, lr, layouts)
 
 
-def _versions(steps: List[Tensor]) -> Optional[Tuple[int, ...]]:
-    """The version counters of ``steps`` (bumped by every in-place write), or None where
-    one has none (a count made under ``torch.inference_mode``: never reused then)."""
+def _keep(optimizer: Optimizer, group: dict, with_grads: List[Tensor], whole: bool, key,
+          buckets: List[plan.Bucket]) -> None:
+    """Keep a plan once its step is done (one that raised halfway keeps nothing, and the
+    next builds afresh). The tensors are held, so that none of them is freed and another
+    made at its address (the check is by identity)."""
+    states = _state_tensors(optimizer, with_grads)
+    optimizer.__dict__.setdefault(_CALLS, {})[_where(group, with_grads, whole)] = (
+        key, _versions(states), [*with_grads, *states], buckets)
+
+
+def _where(group: dict, with_grads: List[Tensor], whole: bool) -> int:
+    """Where a plan is kept: by its group, or by its one tensor (a step in backward's)."""
+    return id(group) if whole else id(with_grads[0])
+
+
+def _state_tensors(optimizer: Optimizer, with_grads: List[Tensor]) -> List[Tensor]:
+    """The state tensors of ``with_grads`` (none without momentum: no state entry made)."""
+    return [v for p in with_grads for v in optimizer.state.get(p, {}).values()
+            if isinstance(v, Tensor)]
+
+
+def _versions(tensors: List[Tensor]) -> Optional[Tuple[int, ...]]:
+    """The version counters of ``tensors`` (bumped by every in-place write), or None where
+    one has none (a tensor made under ``torch.inference_mode``: never reused then)."""
     try:
-        return tuple(step._version for step in steps)
+        return tuple(t._version for t in tensors)
     except RuntimeError:
         return None
 
 
-# --------------------------------------------------------------------- SGD
-
-def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
-               params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
-    momentum = float(group["momentum"])
-    hyper = dict(lr=group["lr"], momentum=momentum, dampening=float(group["dampening"]),
-                 weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
-                 maximize=bool(group["maximize"]), backend=backend)
-    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
-    params = _with_grads(group, params)
-    if momentum == 0:
-        # torch keeps no state without momentum.
-        for device, device_params in by_device(params).items():
-            ops.sgd_([local(p) for p in device_params],
-                     [local(p.grad) for p in device_params], [],
-                     grad_scale=on_device(grad_scale, device),
-                     found_inf=on_device(found_inf, device), **hyper)
-        return
-    # A param without a buffer starts it from its gradient: its own call.
-    calls: Dict[Tuple[torch.device, bool], List[Tensor]] = defaultdict(list)
-    for p in params:
-        state = optimizer.state[p]
-        first = state.get("momentum_buffer") is None
-        if first:
-            # Zeros rather than empty: a first step that found_inf skips leaves the
-            # buffer as it is, and the next step takes it as started (from zero).
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        calls[(p.device, first)].append(p)
-    for (device, first), call_params in calls.items():
-        ops.sgd_([local(p) for p in call_params], [local(p.grad) for p in call_params],
-                 [local(optimizer.state[p]["momentum_buffer"]) for p in call_params],
-                 first_step=first, grad_scale=on_device(grad_scale, device),
-                 found_inf=on_device(found_inf, device), **hyper)
-
-
+# What each checks of a param group's options (group, where, read_device).
+_CHECKS: Dict[type, Callable[..., None]] = {
+    torch.optim.AdamW: check_adamw_options,
+    torch.optim.Adam: check_adamw_options,
+    torch.optim.SGD: _check_sgd_options,
+}
 # Each steps one param group (only ``params`` of it, when given).
 _STEPS: Dict[type, Callable[..., None]] = {
     torch.optim.AdamW: _adam_group,

@@ -22,13 +22,16 @@ def test_host_overhead_rows_for_every_optimizer():
     threads = torch.get_num_threads()
     result = overhead.host_overhead("20m", rounds=1)
     assert [r["optimizer"] for r in result["rows"]] == [
-        f"frugal_{p}" for p in fk.optim.subspace.PROJECTIONS] + ["adafrugal_blocks"]
+        f"frugal_{p}" for p in fk.optim.subspace.PROJECTIONS] + ["adafrugal_blocks",
+                                                                 "torch_adamw_swapped"]
     for r in result["rows"]:
         assert r["step_us"] > 0 and r["vs_torch_adamw_fused"] > 0
+    assert result["rows"][-1]["change_us"] is None  # a swapped AdamW has no subspace
     assert result["threads"] == 1 and torch.get_num_threads() == threads  # restored
     text = markdown({"fingerprint": {"gpu": "x", "torch": "", "triton": "", "frugal_kernels": ""},
                      "command": "", "overhead": result})
     assert "frugal_svd" in text and "x fused AdamW" in text
+    assert "| torch_adamw_swapped |" in text
 
 
 def test_op_sweep_reports_the_in_place_roofline():

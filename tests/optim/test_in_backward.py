@@ -563,3 +563,30 @@ def test_reentrant_checkpointing_steps_once_per_backward_pass(kind, k, nested):
     for (name, a), b in zip(ordinary.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     assert_same(opt.state_dict(), ordinary_opt.state_dict())
+
+
+@pytest.mark.parametrize("kind, options, builds", [
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), 1),
+    (torch.optim.SGD, dict(lr=1e-2, momentum=0.9), 2)])
+def test_a_swapped_optimizers_tensors_keep_their_calls_in_backward(kind, options, builds,
+                                                                  monkeypatch):
+    """Each tensor's plan (plan.single) is made once and kept over the steps in backward
+    (SGD's again after its first step, which starts the momentum buffer), as the engine
+    keeps FRUGAL's, and the steps equal the ordinary swapped step's."""
+    from frugal_kernels.optim import plan
+
+    _, params = _grouped(0)
+    _, ref_params = _grouped(0)
+    opt, ref = fk.swap(kind(params, **options)), fk.swap(kind(ref_params, **options))
+    made = []
+    real = plan.single
+    monkeypatch.setattr(plan, "single", lambda *a, **k: made.append(1) or real(*a, **k))
+    fk.step_in_backward(opt)
+    grad_seq = grad_sequence(params, 4)
+    for grads in grad_seq:
+        _backward(params, grads)
+        _backward(ref_params, grads)
+        ref.step()
+        ref.zero_grad()
+    assert len(made) == builds * len(params)
+    assert_same(values(params), values(ref_params))

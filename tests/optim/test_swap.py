@@ -382,3 +382,114 @@ def test_a_state_reset_in_place_keeps_each_tensors_own_step_count(reset, fused):
             o.step()
     assert_same(params, ref_params)
     assert_same_state(opt, ref)
+
+
+@pytest.mark.parametrize("name, option, value", [
+    ("adamw", "lr", float("inf")), ("adamw", "eps", float("nan")),
+    ("adam-l2", "weight_decay", -0.1), ("adam-l2", "betas", (0.9, 1.0)),
+    ("sgd-momentum", "lr", float("nan")), ("sgd-momentum", "momentum", -0.9),
+    ("sgd-plain", "dampening", float("inf"))])
+def test_an_option_value_set_after_the_swap_is_refused_before_anything_changes(
+        name, option, value):
+    """The engine's option checks (FRUGAL's): torch's constructor would refuse some of
+    these, and torch's step trains on the others (lr=inf writes NaN, eps=nan too)."""
+    params = make_params()
+    opt = swap(make_optimizer(name, params))
+    run(opt, params, 2)
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(opt.state_dict()["state"])
+    opt.param_groups[1][option] = value
+    set_grads(params, 2)
+    with pytest.raises(ValueError, match=f"swap: param group 1: {option}"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    after = opt.state_dict()["state"]
+    for key, entries in state.items():
+        for entry, value in entries.items():
+            assert torch.equal(after[key][entry], value), (key, entry)
+
+
+def test_a_grad_scalers_flag_summed_over_devices_takes_back_one_step():
+    """GradScaler hands a fused optimizer the sum of its devices' flags (2 when both found
+    an inf): the skipped step leaves the step counts as they were, not one lower."""
+    params = make_params()
+    opt = swap(torch.optim.AdamW(params, lr=1e-2, fused=True))
+    set_grads(params, 1)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(2.0)
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip(params, steps))
+
+
+@pytest.mark.parametrize("change", ["weight_decay", "moments replaced"])
+def test_a_change_between_steps_reaches_the_kept_calls(change):
+    """The group's plan of op calls is kept between steps (its calls prepared over the
+    moments): a weight decay turned on mid-run and moments replaced by new tensors (not
+    written in place) are the next step's, as in torch's."""
+    ref_params, params = make_params(), make_params()
+    ref = torch.optim.Adam(ref_params, lr=1e-2)
+    opt = swap(torch.optim.Adam(params, lr=1e-2))
+    for o, ps in ((ref, ref_params), (opt, params)):
+        run(o, ps, 4)
+        if change == "weight_decay":
+            o.param_groups[0]["weight_decay"] = 0.1
+        else:
+            for p in ps[:2]:
+                o.state[p]["exp_avg"] = torch.full_like(p, 0.01)
+                o.state[p]["exp_avg_sq"] = torch.full_like(p, 0.02)
+        run(o, ps, 4, first=4)
+    assert_same(params, ref_params)
+    assert_same_state(opt, ref)
+
+
+@pytest.mark.parametrize("name, builds", [("adamw", 1), ("adam-l2", 1), ("sgd-momentum", 2),
+                                          ("sgd-plain", 1)])
+def test_a_groups_plan_is_built_once_and_kept(name, builds, monkeypatch):
+    """The engine's plan of op calls (plan.build), kept while the group steps the same
+    tensors and state (SGD's momentum rebuilds it once: its first step starts the buffers
+    in calls of their own); a step count reset in place rebuilds it."""
+    from frugal_kernels.optim import plan
+
+    params = make_params()
+    opt = swap(make_optimizer(name, params))
+    made = []
+    real = plan.build
+    monkeypatch.setattr(plan, "build", lambda *a, **k: made.append(1) or real(*a, **k))
+    for k in range(5):
+        for p in params:
+            p.grad = torch.cos(p.detach()) + 0.01 * k
+        opt.step()
+    assert len(made) == builds * 3  # three param groups
+    if name.startswith("adam"):
+        opt.state[params[0]]["step"].zero_()
+        opt.step()
+        assert len(made) == builds * 3 + 1
+
+
+def test_adams_coupled_decay_on_int8_moments_is_the_decay_added_to_the_gradient():
+    """A swapped Adam with state_dtype="int8": the L2 term joins the gradient before the
+    8-bit AdamW call (the engine's adamw_int8 rule, coupled), bit for bit as stepping
+    g + weight_decay * p without decay; the small tensor keeps fp32 moments."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(64, 80), (96, 64), (7,)]
+    params = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    opt = swap(torch.optim.Adam(params, lr=1e-2, weight_decay=0.1), state_dtype="int8")
+    manual = swap(torch.optim.Adam(twins, lr=1e-2, weight_decay=0.0), state_dtype="int8")
+    for _ in range(4):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, q, g in zip(params, twins, grads):
+            p.grad = g.clone()
+            q.grad = torch.add(g, q.detach(), alpha=0.1)
+        opt.step()
+        manual.step()
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.int8
+    assert opt.state[params[2]]["exp_avg"].dtype == torch.float32
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+    for p, q in zip(params, twins):
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, manual.state[q][key]), key
