@@ -20,7 +20,7 @@ import torch
 
 import frugal_kernels as fk
 from frugal_kernels.nn import QuantLinear, QuantWeight
-from frugal_kernels.optim.subspace import PROJECTIONS
+from frugal_kernels.optim.subspace_choice import PROJECTIONS
 
 from .optim.helpers import HYPER, groups, make_params, set_grads
 

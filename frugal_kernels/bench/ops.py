@@ -17,7 +17,7 @@ from frugal_kernels import _quant, ops
 from frugal_kernels.bench.timing import measure_rounds, ratio_spread
 from frugal_kernels._layout import (MomentBlocks, lowrank_dim, lowrank_side, project, subset_dim,
                                     subset_state_shape)
-from frugal_kernels.optim import subspace
+from frugal_kernels.optim import subspace_choice
 
 TENSOR_NUMEL = 1 << 20  # the param set is cut into tensors of this size, like an LLM's matrices
 
@@ -117,7 +117,7 @@ def _frugal_step_cases(params, dtype, rho):
         indices, m, v = [], [], []
         for p in params:
             dim = subset_dim(p, kind)
-            idx = subspace.choose_subset(dim, subspace.subset_size(rho, dim), gen, p.device)
+            idx = subspace_choice.choose_subset(dim, subspace_choice.subset_size(rho, dim), gen, p.device)
             indices.append(idx)
             shape = subset_state_shape(p, kind, idx.numel())
             m.append(torch.zeros(shape, device=p.device))
@@ -140,8 +140,8 @@ def _lowrank_step_cases(params, dtype, rho):
     gen = torch.Generator().manual_seed(2)
     projs, lows, ups, sides = [], [], [], []
     for p, g in zip(params, grads):
-        rank = max(1, subspace.subset_size(rho, lowrank_dim(p.shape)))
-        proj = subspace.make_projection("random", g, rank, gen)
+        rank = max(1, subspace_choice.subset_size(rho, lowrank_dim(p.shape)))
+        proj = subspace_choice.make_projection("random", g, rank, gen)
         side = lowrank_side(p.shape)
         lows.append(project(g, proj, side))
         ups.append(torch.zeros_like(lows[-1]))
@@ -172,7 +172,7 @@ def _lowrank_adamw_step_cases(params, dtype, rho):
     grads = _like(mats)
     projs, m, v, sides = [], [], [], []
     for g in grads:
-        proj = subspace.make_projection("random", g, SMALL_RANK, gen)
+        proj = subspace_choice.make_projection("random", g, SMALL_RANK, gen)
         side = lowrank_side(g.shape)
         low = project(g, proj, side)
         projs.append(proj)
@@ -212,7 +212,7 @@ def _dqt_update_cases(params, dtype, rho, bits: int = 4):
         indices, m, v = [], [], []
         for p in params:
             dim = subset_dim(p, kind)
-            idx = subspace.choose_subset(dim, subspace.subset_size(density, dim), gen, p.device)
+            idx = subspace_choice.choose_subset(dim, subspace_choice.subset_size(density, dim), gen, p.device)
             shape = subset_state_shape(p, kind, idx.numel())
             indices.append(idx)
             m.append(torch.zeros(shape, device=p.device))

@@ -58,7 +58,7 @@ def _adafrugal(model, update_gap):
 def factories(model: nn.Module, update_gap: int) -> Dict[str, Callable[[], torch.optim.Optimizer]]:
     """Our optimizers, by name, on ``model``, changing their subspace every ``update_gap``."""
     makers = {f"frugal_{projection}": _frugal(model, projection, update_gap)
-              for projection in fk.optim.subspace.PROJECTIONS}
+              for projection in fk.optim.subspace_choice.PROJECTIONS}
     makers["adafrugal_blocks"] = _adafrugal(model, update_gap)
     return makers
 

@@ -8,7 +8,7 @@ from typing import Any, Iterable, List, Optional
 import torch
 from torch import Tensor
 
-from frugal_kernels.optim.base import check_int, check_number
+from frugal_kernels.optim.engine import check_int, check_number
 from frugal_kernels.optim.frugal import FRUGAL
 from frugal_kernels.optim.governed import suggested_factor
 

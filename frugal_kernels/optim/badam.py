@@ -1,6 +1,6 @@
 """BAdam: block coordinate descent, AdamW or FRUGAL on one block at a time (DESIGN.md section 1).
 
-BAdam is a policy of the step engine (:class:`~frugal_kernels.optim.base.FusedOptimizer`):
+BAdam is a policy of the step engine (:class:`~frugal_kernels.optim.engine.FusedOptimizer`):
 its param groups are the blocks, the active block is the one group that steps
 (:meth:`BAdam._group_steps`), and its tensors take AdamW (``DENSE_MASTER``: bf16 /
 fp16 ones on an fp32 master copy) or, with ``inner="frugal"``, FRUGAL's families
@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from frugal_kernels._layout import STATE_DTYPES
 from frugal_kernels.optim import plan
-from frugal_kernels.optim.base import FusedOptimizer, check_adamw_options, check_int
+from frugal_kernels.optim.engine import FusedOptimizer, check_adamw_options, check_int
 from frugal_kernels.optim.frugal import FRUGAL, _check_group as _check_frugal_group
 from frugal_kernels.optim.frugal import _saved_extra as _saved_frugal_extra
 from frugal_kernels.optim.frugal import _copy_record, _saved_subspaces

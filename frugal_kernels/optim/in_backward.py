@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from frugal_kernels.optim import swap as _swap
-from frugal_kernels.optim.base import check_int, check_number, first_nonfinite
+from frugal_kernels.optim.engine import check_int, check_number, first_nonfinite
 
 __all__ = ["CLIP_SCOPES", "StepInBackward", "step_in_backward", "handle_of"]
 

@@ -32,7 +32,7 @@ from frugal_kernels import ops
 from frugal_kernels._layout import (LEFT, MomentBlocks, lowrank_dim, lowrank_side, lowrank_state_shape,
                                     matrix_shape, projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
-from frugal_kernels.optim import subspace
+from frugal_kernels.optim import subspace_choice
 from frugal_kernels.optim.plan import (ADAMW_INT8, ADAMW_INT8_MASTER, ADAMW_MASTER, STATE_FREE,
                                        Assignment, adamw_assignment, ensure_moments,
                                        stores_int8)
@@ -167,9 +167,9 @@ class Blocks(Dense):
 
     def choose(self, sub: Subspace) -> None:
         params, order = sub.group["params"], sub.group["block_order"]
-        n_active = subspace.num_active_blocks(sub.density, len(params), order)
+        n_active = subspace_choice.num_active_blocks(sub.density, len(params), order)
         first = len(params) - 1 if order == "descending" else 0
-        active, cursor = subspace.choose_blocks(len(params), n_active, order,
+        active, cursor = subspace_choice.choose_blocks(len(params), n_active, order,
                                                 sub.record.get("cursor", first), sub.generator)
         previous = set(sub.record.get("active", ()))
         sub.record.update(active=active, cursor=cursor)
@@ -210,7 +210,7 @@ class CoordinateSubset(Projection):
         for p in sub.group["params"]:
             subset_kind = self._subset_kind(p)
             dim = subset_dim(p, subset_kind)  # of the global tensor
-            indices = subspace.choose_subset(dim, subspace.subset_size(sub.density, dim),
+            indices = subspace_choice.choose_subset(dim, subspace_choice.subset_size(sub.density, dim),
                                              sub.generator, p.device)
             layout = sub.layouts.get(p)
             per_row = None if layout is None else self._per_row(p, layout)
@@ -341,7 +341,7 @@ class LowRank(Projection):
                 self._project(sub, p, st)
 
     def _project(self, sub: Subspace, p: Tensor, st: dict) -> None:
-        rank = subspace.subset_size(sub.density, lowrank_dim(p.shape))
+        rank = subspace_choice.subset_size(sub.density, lowrank_dim(p.shape))
         layout = sub.layouts.get(p)
         # svd reads the gradient; random only a shape and a device, which the parameter
         # has before its gradient arrives (in backward).
@@ -351,7 +351,7 @@ class LowRank(Projection):
             # gathers it (an all-gather, once per subspace change). A random
             # projection needs only the shape.
             source = layout.full(source)
-        projection = subspace.make_projection(self.projection, source, rank, sub.generator)
+        projection = subspace_choice.make_projection(self.projection, source, rank, sub.generator)
         if layout is not None:
             if self.projection == "svd":
                 # One subspace for all: a factorization need not give the same bits
@@ -444,7 +444,7 @@ def _lowrank_moments_shape(p: Tensor, rank: int, layout: Optional[ShardLayout]
 DENSE = Dense()
 DENSE_MASTER = DenseMaster()
 
-# One family per value of FRUGAL's ``projection`` (subspace.PROJECTIONS, in its order).
+# One family per value of FRUGAL's ``projection`` (subspace_choice.PROJECTIONS, in its order).
 FAMILIES: Dict[str, Projection] = {
     "blocks": Blocks(),
     "columns": CoordinateSubset("columns"),

@@ -13,7 +13,7 @@ decoupled weight decay is ``adamw_``'s own; Adam's coupled (L2) decay is
 added to the gradient first (``g + weight_decay * p``, one extra pass) and
 ``adamw_`` then runs without decay; SGD runs on ``sgd_``.
 
-The swapped step is built from the step engine's pieces (optim/base.py,
+The swapped step is built from the step engine's pieces (optim/engine.py,
 optim/plan.py): its op calls are the engine's plan (``plan.build`` /
 ``plan.run`` with the ``adamw`` and ``adamw_int8`` rules, ``coupled`` for
 Adam's L2 decay, and the ``sgd`` and ``sgd_first`` rules, kept between steps,
@@ -67,7 +67,7 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 from frugal_kernels import reference
 from frugal_kernels._layout import STATE_DTYPES, on_device
 from frugal_kernels.optim import plan, sharding
-from frugal_kernels.optim.base import (by_device, check_adamw_options, check_lr, check_number,
+from frugal_kernels.optim.engine import (by_device, check_adamw_options, check_lr, check_number,
                                        clip_factor, clipped_scale, count_steps,
                                        refuse_clip_in_backward, skip_flag, uncount_skipped)
 from frugal_kernels.optim.sharding import local

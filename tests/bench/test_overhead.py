@@ -22,7 +22,7 @@ def test_host_overhead_rows_for_every_optimizer():
     threads = torch.get_num_threads()
     result = overhead.host_overhead("20m", rounds=1)
     assert [r["optimizer"] for r in result["rows"]] == [
-        f"frugal_{p}" for p in fk.optim.subspace.PROJECTIONS] + ["adafrugal_blocks",
+        f"frugal_{p}" for p in fk.optim.subspace_choice.PROJECTIONS] + ["adafrugal_blocks",
                                                                  "torch_adamw_swapped"]
     for r in result["rows"]:
         assert r["step_us"] > 0 and r["vs_torch_adamw_fused"] > 0

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import frugal_kernels as fk
-from frugal_kernels.optim.subspace import PROJECTIONS
+from frugal_kernels.optim.subspace_choice import PROJECTIONS
 
 from .helpers import fraction_apart, free_port, load, save
 

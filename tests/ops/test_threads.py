@@ -5,7 +5,7 @@ import torch
 
 from frugal_kernels import ops
 from frugal_kernels._layout import lowrank_side, project, subset_state_shape
-from frugal_kernels.optim import subspace
+from frugal_kernels.optim import subspace_choice
 
 from .helpers import DTYPES, cpu_backends
 
@@ -31,7 +31,7 @@ def _frugal_step(kind):
             if kind != "flat" and x.dim() == 0:
                 continue
             dim = {"rows": x.shape[0], "columns": x.shape[-1], "flat": x.numel()}[kind]
-            ids = subspace.choose_subset(dim, max(1, dim // 3), gen, x.device)
+            ids = subspace_choice.choose_subset(dim, max(1, dim // 3), gen, x.device)
             idx.append(ids)
             shape = subset_state_shape(x, kind, ids.numel())
             m.append(torch.randn(shape, generator=gen) * 0.1)
@@ -46,7 +46,7 @@ def _lowrank_step(p, g, gen):
     mats = [(x, y) for x, y in zip(p, g) if x.dim() >= 2]
     ps, gs = [x for x, _ in mats], [y for _, y in mats]
     sides = [lowrank_side(x.shape) for x in ps]
-    projs = [subspace.make_projection("random", y, 2, gen) for y in gs]
+    projs = [subspace_choice.make_projection("random", y, 2, gen) for y in gs]
     lows = [project(y, proj, side) for y, proj, side in zip(gs, projs, sides)]
     ups = [torch.randn(low.shape, generator=gen) * 1e-3 for low in lows]
     return lambda: ops.lowrank_step_(ps, gs, ups, lows, projs, sides, lr=LR, weight_decay=WD,
@@ -57,7 +57,7 @@ def _lowrank_adamw_step(p, g, gen):
     mats = [(x, y) for x, y in zip(p, g) if x.dim() >= 2]
     ps, gs = [x for x, _ in mats], [y for _, y in mats]
     sides = [lowrank_side(x.shape) for x in ps]
-    projs = [subspace.make_projection("random", y, 2, gen) for y in gs]
+    projs = [subspace_choice.make_projection("random", y, 2, gen) for y in gs]
     lows = [project(y, proj, side) for y, proj, side in zip(gs, projs, sides)]
     m = [torch.randn(low.shape, generator=gen) * 0.1 for low in lows]
     v = [torch.rand(low.shape, generator=gen) * 0.01 for low in lows]

@@ -9,7 +9,7 @@ import torch
 import frugal_kernels as fk
 
 from frugal_kernels.optim import frugal as frugal_module
-from frugal_kernels.optim.subspace import PROJECTIONS
+from frugal_kernels.optim.subspace_choice import PROJECTIONS
 
 from .helpers import HYPER, grad_sequence, groups, make_params, run, set_grads
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from frugal_kernels.optim import base
+from frugal_kernels.optim import engine
 
 from ..op_db import fraction_apart
 from ..optim_db import OPTIMIZERS, values
@@ -26,7 +26,7 @@ STEPS = 5
 LOW_RANK = ("random", "svd")
 
 ENGINE_ROWS = [info for info in OPTIMIZERS
-               if isinstance(info.build()[0], base.FusedOptimizer)]
+               if isinstance(info.build()[0], engine.FusedOptimizer)]
 
 
 def test_the_engine_rows_cover_every_family():
@@ -83,7 +83,7 @@ def test_a_non_finite_gradient_after_a_clip_skips_the_step(info, monkeypatch):
     norm = opt.clip_grad_norm_(1.0)
     assert math.isnan(norm.item())
     passes = []
-    monkeypatch.setattr(base, "_nonfinite_flag", lambda g: passes.append(g))
+    monkeypatch.setattr(engine, "_nonfinite_flag", lambda g: passes.append(g))
     opt.step()
     assert passes == [], "the step after a clip read the gradients for the flag again"
     for i, (a, b) in enumerate(zip(values(params), before_values)):

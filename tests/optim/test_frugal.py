@@ -7,7 +7,7 @@ import frugal_kernels as fk
 from frugal_kernels._layout import RIGHT, lowrank_side
 from frugal_kernels.ops import unchecked
 from frugal_kernels.optim.projections import FAMILIES, CoordinateSubset
-from frugal_kernels.optim.subspace import PROJECTIONS
+from frugal_kernels.optim.subspace_choice import PROJECTIONS
 
 from ..ops.helpers import cpu_backends
 from .helpers import (HYPER, LoopReference, changed_at, grad_sequence, groups, make_params,

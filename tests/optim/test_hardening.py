@@ -14,7 +14,7 @@ import torch
 
 import frugal_kernels as fk
 from frugal_kernels._layout import RIGHT, lowrank_side
-from frugal_kernels.optim import frugal, subspace
+from frugal_kernels.optim import frugal, subspace_choice
 
 from .helpers import HYPER, grad_sequence, groups, make_params, set_grads
 
@@ -118,7 +118,7 @@ STEP_FAILURES = {
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("projection", subspace.PROJECTIONS)
+@pytest.mark.parametrize("projection", subspace_choice.PROJECTIONS)
 @pytest.mark.parametrize("failure", list(STEP_FAILURES))
 def test_a_step_that_raises_changes_nothing(kind, projection, failure):
     """The failing step is due to change the subspace (update_gap=2, third step), and the
@@ -148,7 +148,7 @@ def test_a_failure_while_choosing_the_subspace_is_undone(kind, projection, monke
     grads = grad_sequence(params, 2, seed=9)
     set_grads(params, grads[0])
     before = _snapshot(opt, params)
-    real, calls = subspace.make_projection, []
+    real, calls = subspace_choice.make_projection, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -156,12 +156,12 @@ def test_a_failure_while_choosing_the_subspace_is_undone(kind, projection, monke
             raise torch.linalg.LinAlgError("injected")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(subspace, "make_projection", flaky)
+    monkeypatch.setattr(subspace_choice, "make_projection", flaky)
     with pytest.raises(torch.linalg.LinAlgError):
         opt.step()
     assert len(calls) == 3  # two projections were made (and drawn) before the failure
     _assert_same(before, _snapshot(opt, params))
-    monkeypatch.setattr(subspace, "make_projection", real)
+    monkeypatch.setattr(subspace_choice, "make_projection", real)
     for g in grads:
         set_grads(params, g)
         opt.step()
@@ -435,7 +435,7 @@ def _bad_grads(params, value, which):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("projection", subspace.PROJECTIONS)
+@pytest.mark.parametrize("projection", subspace_choice.PROJECTIONS)
 @pytest.mark.parametrize("value", NONFINITE)
 @pytest.mark.parametrize("which", [0, 4])  # a projected tensor, a regular one
 def test_a_nonfinite_gradient_skips_the_step_by_default(kind, projection, value, which):
@@ -484,7 +484,7 @@ def test_an_svd_subspace_chosen_at_a_skipped_step_ignores_the_nonfinite_entries(
     rank = proj.shape[0] if side == RIGHT else proj.shape[1]
     clean = grads[0].clone()
     clean.view(-1)[1] = 0.0
-    assert torch.equal(proj, subspace.make_projection("svd", clean, rank, opt._generator))
+    assert torch.equal(proj, subspace_choice.make_projection("svd", clean, rank, opt._generator))
     _steps(opt, params, 1, seed=6)
     assert all(torch.isfinite(p).all() for p in params)
     assert all(torch.isfinite(v).all() for st in opt.state.values() for v in st.values()
@@ -492,7 +492,7 @@ def test_an_svd_subspace_chosen_at_a_skipped_step_ignores_the_nonfinite_entries(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("projection", subspace.PROJECTIONS)
+@pytest.mark.parametrize("projection", subspace_choice.PROJECTIONS)
 @pytest.mark.parametrize("value", NONFINITE)
 def test_nonfinite_raise_names_the_parameter_and_changes_nothing(kind, projection, value):
     opt, params = _make(kind, projection, nonfinite="raise")
@@ -506,7 +506,7 @@ def test_nonfinite_raise_names_the_parameter_and_changes_nothing(kind, projectio
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("projection", subspace.PROJECTIONS)
+@pytest.mark.parametrize("projection", subspace_choice.PROJECTIONS)
 @pytest.mark.parametrize("value", NONFINITE)
 def test_nonfinite_propagate_applies_the_step(kind, projection, value):
     """Today's behaviour: the step is taken; the AdamW coordinate of a regular tensor
@@ -524,10 +524,10 @@ def test_nonfinite_propagate_applies_the_step(kind, projection, value):
 def test_nonfinite_skip_costs_nothing_more_under_a_grad_scaler(monkeypatch):
     """A GradScaler's found_inf already decides the step: the optimizer's own check
     (one read of the gradients) is not run."""
-    from frugal_kernels.optim import base
+    from frugal_kernels.optim import engine
     calls = []
-    real = base._nonfinite_flag
-    monkeypatch.setattr(base, "_nonfinite_flag", lambda g: calls.append(1) or real(g))
+    real = engine._nonfinite_flag
+    monkeypatch.setattr(engine, "_nonfinite_flag", lambda g: calls.append(1) or real(g))
     opt, params = _make("FRUGAL", "columns")
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))

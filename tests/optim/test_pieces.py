@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import frugal_kernels as fk
-from frugal_kernels.optim import frugal, memory, subspace
+from frugal_kernels.optim import frugal, memory, subspace_choice
 from frugal_kernels.optim.projections import FAMILIES, CoordinateSubset
 
 from .helpers import HYPER, grad_sequence, groups, make_params, set_grads
@@ -21,7 +21,7 @@ def _roundtrip(sd):
 
 
 def test_every_projection_has_one_family():
-    assert tuple(FAMILIES) == subspace.PROJECTIONS
+    assert tuple(FAMILIES) == subspace_choice.PROJECTIONS
 
 
 def _make(projection, reset_state=True):
@@ -39,7 +39,7 @@ def _step(opt, params, grads, idle=()):
     opt.step()
 
 
-@pytest.mark.parametrize("projection", subspace.PROJECTIONS)
+@pytest.mark.parametrize("projection", subspace_choice.PROJECTIONS)
 def test_moments_wait_for_the_first_gradient(projection):
     """As in torch.optim, a tensor gets its moments at its first step with a gradient.
     A coordinate subset is still chosen meanwhile, so that the random draws are those
@@ -59,7 +59,7 @@ def test_moments_wait_for_the_first_gradient(projection):
         assert st["step"].item() == 1.0 and st["exp_avg"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("projection", subspace.PROJECTIONS)
+@pytest.mark.parametrize("projection", subspace_choice.PROJECTIONS)
 @pytest.mark.parametrize("reset_state", [True, False])
 def test_resume_with_a_tensor_that_had_no_gradient_yet_is_bit_identical(projection, reset_state):
     n, m = 5, 6

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from frugal_kernels.optim import subspace
+from frugal_kernels.optim import subspace_choice
 
 
 @pytest.mark.parametrize("projection", ["random", "svd"])
@@ -14,7 +14,7 @@ def test_projection_is_the_same_for_any_thread_count(projection):
     try:
         for n in (1, 2, 4):
             torch.set_num_threads(n)
-            results.append(subspace.make_projection(projection, grad, 120,
+            results.append(subspace_choice.make_projection(projection, grad, 120,
                                                     torch.Generator().manual_seed(3)))
             assert torch.get_num_threads() == n  # restored after the factorization
     finally:
