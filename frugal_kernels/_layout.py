@@ -186,35 +186,6 @@ def on_device(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
 
 # ---------------------------------------------------------------- memory
 
-def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (a size-0 dim counts as 1, as
-    torch's own strides do)."""
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-def all_gather_into(out: Tensor, block: Tensor, group: object) -> None:
-    """Every rank's equal-sized ``block`` of ``group``, concatenated along dim 0 into
-    ``out``: the one place that knows torch's name for it."""
-    import torch.distributed as dist
-
-    # torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, block, group=group)
-
-
-def row_chunk(n: int, num_shards: int, shard_rank: int) -> Tuple[int, int]:
-    """(offset, size) of shard ``shard_rank`` of ``n`` rows split as ``torch.chunk`` and
-    DTensor's ``Shard(0)`` split them: ``ceil(n / num_shards)`` rows each, the last
-    shards fewer or none. (FSDP2's split, which ``nn.shard_quantized_`` follows too.)"""
-    size = -(-n // num_shards) if n else 0
-    offset = min(n, size * shard_rank)
-    return offset, max(0, min(n, offset + size) - offset)
-
-
 def memory_span(t: Tensor) -> Optional[Tuple[int, int]]:
     """[first byte, one past the last byte) of the memory ``t`` touches; None if empty."""
     numel = t.numel()

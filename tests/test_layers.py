@@ -28,6 +28,7 @@ LAYERS = {
     "frugal_kernels._version": 0,
     "frugal_kernels._versions": 0,  # the supported torch and Triton versions
     "frugal_kernels._layout": 0,
+    "frugal_kernels._shard": 0,  # row sharding: where a rank's rows of a dim-0 shard lie
     "frugal_kernels._quant": 0,
     "frugal_kernels._C": 0,  # the compiled kernels (a shared library, not a .py file)
     "frugal_kernels._extension": 1,

@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from frugal_kernels._layout import STATE_FREE_RULES
+from frugal_kernels._shard import local
 from frugal_kernels.lab.corpus import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
 from frugal_kernels.lab.schedule import evaluation_due, governed_schedule
 from frugal_kernels.governor import Governor, optimizer_flops
@@ -39,7 +40,6 @@ from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
 from frugal_kernels.optim.in_backward import handle_of
 from frugal_kernels.optim.memory import PeakMemory, release_freed_memory, storage_bytes
 from frugal_kernels.optim.protocol import protocol_of, state_tensors
-from frugal_kernels.optim.sharding import local
 
 __all__ = [
     "CHECKPOINT_FORMAT",

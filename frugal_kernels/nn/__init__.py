@@ -10,11 +10,12 @@
   :func:`patch_causal_lm`, which gives a causal LM that loss in one line.
 """
 
+from frugal_kernels._shard import RowShard
 from frugal_kernels.nn.linear_cross_entropy import (LinearCrossEntropy, LinearCrossEntropyOutput,
                                                    patch_causal_lm)
 from frugal_kernels.nn.quant_linear import QuantLinear, QuantWeight
 from frugal_kernels.nn.quantize import quantize_
-from frugal_kernels.nn.sharded import RowShard, ShardedQuantLinear, shard_quantized_
+from frugal_kernels.nn.sharded import ShardedQuantLinear, shard_quantized_
 
 __all__ = ["LinearCrossEntropy", "LinearCrossEntropyOutput", "QuantLinear", "QuantWeight",
            "RowShard", "ShardedQuantLinear", "patch_causal_lm", "quantize_", "shard_quantized_"]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from frugal_kernels import _quant, ops
-from frugal_kernels._layout import row_chunk
+from frugal_kernels._shard import RowShard
 from frugal_kernels.nn import _ddp
 from frugal_kernels.nn.quant_weight import QuantWeight
 
@@ -483,32 +483,20 @@ class QuantLinear(nn.Module):
 def _as_rows_of(weight: Tensor, block: Tensor) -> Tensor:
     """``block`` (this rank's rows of a tensor whose rows are the weight's) as the
     DTensor of all the rows, split as the DTensor ``weight``. No communication."""
-    from torch.distributed.tensor import DTensor
-
-    shape = (weight.shape[0], *block.shape[1:])
-    stride = (block.shape[1], 1) if block.dim() == 2 else (1,)
-    return DTensor.from_local(block, weight.device_mesh, weight.placements, run_check=False,
-                              shape=torch.Size(shape), stride=stride)
+    return _row_shard(weight).to_dtensor(block, (weight.shape[0], *block.shape[1:]))
 
 
 def _own_rows(weight: Tensor, value: Tensor) -> Tensor:
     """This rank's rows, as the DTensor ``weight`` splits them, of ``value``: a DTensor
     split the same way (its block), another DTensor (gathered whole first: a
     collective) or a plain tensor of all the rows (a one-process checkpoint)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if isinstance(value, DTensor):
-        if value.device_mesh == weight.device_mesh and value.placements == weight.placements:
-            return value.to_local()
-        value = value.full_tensor()
     if value.dim() == 0 or value.shape[0] != weight.shape[0]:
         return value  # the shape check names the mismatch
-    offset, size = 0, value.shape[0]
-    for dim, placement in enumerate(weight.placements):
-        if isinstance(placement, Shard):
-            offset, size = row_chunk(value.shape[0], weight.device_mesh.size(dim),
-                                     weight.device_mesh.get_local_rank(dim))
-    return value.narrow(0, offset, size)
+    return _row_shard(weight).block_of(value)
+
+
+def _row_shard(weight: Tensor) -> RowShard:
+    return RowShard.of(weight, "a QuantLinear's weight")
 
 
 def _local(weight: Tensor) -> QuantWeight:

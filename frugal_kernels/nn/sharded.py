@@ -30,85 +30,17 @@ the whole weight (a one-process checkpoint).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from frugal_kernels import ops
-from frugal_kernels._layout import all_gather_into, contiguous_stride, row_chunk
+from frugal_kernels._shard import RowShard
 from frugal_kernels.nn.quant_linear import (QuantLinear, QuantWeight, grad_input, grad_weight,
                                             linear_forward)
 
-__all__ = ["RowShard", "ShardedQuantLinear", "shard_quantized_"]
-
-
-@dataclass(frozen=True, eq=False)
-class RowShard:
-    """Where a rank's block of a weight's ``rows`` lies: rows ``[offset, offset + size)``,
-    over the ranks of a 1-D device ``mesh`` (its process group ``group``, of which
-    this rank is ``shard_rank`` of ``num_shards``)."""
-
-    rows: int
-    offset: int
-    size: int
-    mesh: object
-    group: object
-    num_shards: int
-    shard_rank: int
-
-    @property
-    def padded(self) -> int:
-        """Rows per rank in the collectives: every block padded to the first's size."""
-        return -(-self.rows // self.num_shards) if self.rows else 0
-
-    def gather(self, block: Tensor) -> Tensor:
-        """The whole ``[rows, ...]`` tensor of which every rank holds its block: one
-        all-gather of the blocks padded to equal size."""
-        if self.num_shards == 1:
-            return block
-        padded = block.new_zeros((self.padded, *block.shape[1:]))
-        padded[:block.shape[0]] = block
-        out = block.new_empty((self.num_shards * self.padded, *block.shape[1:]))
-        all_gather_into(out, padded, self.group)
-        return out[:self.rows]
-
-    def reduce_scatter_mean(self, whole: Tensor) -> Tensor:
-        """This rank's rows of the mean over the ranks of ``whole`` (``[rows, ...]``):
-        one reduce-scatter of the padded rows, then a division by the rank count."""
-        if self.num_shards == 1:
-            return whole
-        padded = whole.new_zeros((self.num_shards * self.padded, *whole.shape[1:]))
-        padded[:self.rows] = whole
-        out = whole.new_empty((self.padded, *whole.shape[1:]))
-        # torch 2.13 names it reduce_scatter_single and deprecates reduce_scatter_tensor.
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        scatter(out, padded, group=self.group)
-        return out[:self.size].div_(self.num_shards)
-
-    def to_dtensor(self, block: Tensor, shape: Sequence[int]) -> Tensor:
-        """The DTensor of global ``shape`` (``shape[0] == rows``) whose block on this
-        rank is ``block``: sharded on dim 0 over the mesh. No communication."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        return DTensor.from_local(block, self.mesh, (Shard(0),), run_check=False,
-                                  shape=torch.Size(shape), stride=contiguous_stride(shape))
-
-    def block_of(self, value: Tensor) -> Tensor:
-        """This rank's rows of ``value``, a global-form tensor of ``rows`` rows: a
-        DTensor split as this shard splits (its block), another DTensor (gathered
-        whole first: a collective) or a plain tensor of the whole."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        if isinstance(value, DTensor):
-            if value.device_mesh == self.mesh and tuple(value.placements) == (Shard(0),):
-                return value.to_local()
-            value = value.full_tensor()
-        if value.dim() == 0 or value.shape[0] != self.rows:
-            return value  # the module's own check names the mismatch
-        return value.narrow(0, self.offset, self.size)
+__all__ = ["ShardedQuantLinear", "shard_quantized_"]
 
 
 class _ShardedQuantLinearFunction(torch.autograd.Function):
@@ -175,7 +107,8 @@ class ShardedQuantLinear(QuantLinear):
         state_dict = dict(state_dict)
         for name in self._sharded_buffers():
             value = state_dict.get(prefix + name)
-            if isinstance(value, Tensor):
+            # A tensor of other rows is left whole: the module's own check names it.
+            if isinstance(value, Tensor) and value.dim() and value.shape[0] == self.shard.rows:
                 state_dict[prefix + name] = self.shard.block_of(value)
         return state_dict
 
@@ -223,22 +156,18 @@ def shard_quantized_(model: nn.Module, mesh) -> List[QuantWeight]:
     if getattr(mesh, "ndim", None) != 1:
         raise ValueError("shard_quantized_ takes a 1-D DeviceMesh (the ranks that shard the "
                          f"rows); got {mesh!r}")
-    group = mesh.get_group(0)
-    num_shards, shard_rank = mesh.size(0), mesh.get_local_rank(0)
     weights = []
     for name, module in model.named_modules():
         if isinstance(module, ShardedQuantLinear):
             raise ValueError(f"shard_quantized_: {name} is sharded already")
         if type(module) is not QuantLinear:
             continue
-        rows = module.out_features
-        offset, size = row_chunk(rows, num_shards, shard_rank)
+        shard = RowShard.over(mesh, module.out_features)
         old = module.weight
-        block = old.narrow(0, offset, size).clone()
+        block = old.narrow(0, shard.offset, shard.size).clone()
         weight = nn.Parameter(block, requires_grad=old.requires_grad)
         module._parameters["weight"] = weight
         module.__class__ = ShardedQuantLinear
-        module.shard = weight.shard = RowShard(rows, offset, size, mesh, group, num_shards,
-                                               shard_rank)
+        module.shard = weight.shard = shard
         weights.append(weight)
     return weights

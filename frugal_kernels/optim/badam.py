@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from frugal_kernels._layout import STATE_DTYPES
+from frugal_kernels._shard import RowShard
 from frugal_kernels.optim import plan
 from frugal_kernels.optim.engine import FusedOptimizer, check_adamw_options, check_int
 from frugal_kernels.optim.frugal import FRUGAL, _check_group as _check_frugal_group
@@ -33,7 +34,6 @@ from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
 from frugal_kernels.optim.projections import (DENSE, DENSE_MASTER, FAMILIES, Projection,
                                               Subspace)
-from frugal_kernels.optim.sharding import ShardLayout
 
 __all__ = ["BAdam", "SWITCH_MODES", "INNER_OPTIMIZERS"]
 
@@ -86,10 +86,10 @@ class _Composed(Projection):
     def check_saved(self, saved: dict, p: Tensor) -> Optional[str]:
         return self._of(p).check_saved(saved, p)
 
-    def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:
+    def global_state(self, st: dict, p: Tensor, layout: RowShard) -> dict:
         return self._of(p).global_state(st, p, layout)
 
-    def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
+    def local_state(self, saved: dict, p: Tensor, layout: RowShard,
                     device: torch.device) -> dict:
         return self._of(p).local_state(saved, p, layout, device)
 

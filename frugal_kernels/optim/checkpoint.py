@@ -31,6 +31,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import nn
 
+from frugal_kernels._shard import is_sharded
 from frugal_kernels.optim import sharding
 
 __all__ = ["optimizer_state_dict_template"]
@@ -101,7 +102,7 @@ def optimizer_state_dict_template(model: nn.Module, optimizer: torch.optim.Optim
 
 def _empty(md: Any, p: torch.Tensor, name: str, full: bool, cpu: bool) -> torch.Tensor:
     dtype = md.properties.dtype
-    if sharding.is_sharded(p) and sharding.sharded_entry(name, p) and not full:
+    if is_sharded(p) and sharding.sharded_entry(name, p) and not full:
         from torch.distributed import tensor
 
         empty = tensor.empty(*md.size, dtype=dtype, device_mesh=p.device_mesh,

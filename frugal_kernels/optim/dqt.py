@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from frugal_kernels import _quant
+from frugal_kernels._shard import RowShard, is_sharded, local
 from frugal_kernels.nn import QuantWeight
 from frugal_kernels.optim import sharding
 from frugal_kernels.optim.frugal import FRUGAL
@@ -36,7 +37,7 @@ SHARDED_PROJECTIONS = ("columns", "blocks")
 
 def _quantized(p: Tensor) -> bool:
     """Whether ``p`` is a quantized weight (under FSDP2, a DTensor of QuantWeight blocks)."""
-    return isinstance(sharding.local(p), QuantWeight)
+    return isinstance(local(p), QuantWeight)
 
 
 class _StateFreeOnly(Projection):
@@ -79,7 +80,7 @@ class QuantFamily(Projection):
         rule = {"adamw": "dqt_adamw", "state_free": "dqt_state_free",
                 "subset": "dqt_subset"}[inner.rule]
         return Assignment(rule, subset_kind=inner.subset_kind, index_dtype=inner.index_dtype,
-                          bits=sharding.local(p).bits)
+                          bits=local(p).bits)
 
     def fits(self, saved: dict, p: Tensor) -> bool:
         return (self.inner if _quantized(p) else DENSE).fits(saved, p)
@@ -87,10 +88,10 @@ class QuantFamily(Projection):
     # Under fully_shard the global form of a quantized weight's state is the inner
     # family's (a column subset's moments are [rows, k], not the weight's shape).
 
-    def global_state(self, st: dict, p: Tensor, layout: sharding.ShardLayout) -> dict:
+    def global_state(self, st: dict, p: Tensor, layout: RowShard) -> dict:
         return (self.inner if _quantized(p) else DENSE).global_state(st, p, layout)
 
-    def local_state(self, saved: dict, p: Tensor, layout: sharding.ShardLayout,
+    def local_state(self, saved: dict, p: Tensor, layout: RowShard,
                     device: torch.device) -> dict:
         return (self.inner if _quantized(p) else DENSE).local_state(saved, p, layout, device)
 
@@ -227,9 +228,9 @@ class DQT(FRUGAL):
         params = [params] if isinstance(params, Tensor) else list(params)
         if self.bits is not None:
             for i, p in enumerate(params):
-                if _quantized(p) and sharding.local(p).bits != self.bits:
+                if _quantized(p) and local(p).bits != self.bits:
                     raise ValueError(f"params[{i}] of param group {len(self.param_groups)} is "
-                                     f"a {sharding.local(p).bits}-bit QuantLinear weight, but "
+                                     f"a {local(p).bits}-bit QuantLinear weight, but "
                                      f"DQT was given "
                                      f"bits={self.bits}")
         group = {"update": self._update, **param_group, "params": params}
@@ -262,7 +263,7 @@ class DQT(FRUGAL):
         """The quantized weights whose rows are split over ranks: FSDP2's (DTensors) and
         those of the deprecated shard_quantized_ (a row shard on the weight)."""
         return [p for p in params if getattr(p, "shard", None) is not None or
-                _quantized(p) and sharding.is_sharded(p)]
+                _quantized(p) and is_sharded(p)]
 
     def _family(self, group: dict) -> Projection:
         if not group["projected"] or group["update"] == "adamw":

@@ -27,12 +27,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from frugal_kernels import ops
 from frugal_kernels._layout import PARAM_DTYPES, MomentBlocks, first_overlap, on_device
+from frugal_kernels._shard import RowShard, is_sharded, local
 from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.memory import memory_of
 from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
 from frugal_kernels.optim.protocol import FrugalOptimizer
-from frugal_kernels.optim.sharding import ShardLayout
 
 __all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "by_device", "check_adamw_options", "check_int",
            "check_lr", "check_nonfinite", "check_number", "count_steps", "first_nonfinite",
@@ -86,7 +86,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         self._tensor_buckets: Dict[Tensor, Bucket] = {}
         self._tensor_index: Dict[Tensor, Tuple[int, int]] = {}
         # The DTensor parameters' layouts (FSDP2): where each rank's rows lie.
-        self._layouts: Dict[Tensor, ShardLayout] = {}
+        self._layouts: Dict[Tensor, RowShard] = {}
         # What clip_grad_norm_ hands to the next step: (clip factor, non-finite flag).
         self._pending_clip: Optional[Tuple[Tensor, Tensor]] = None
         super().__init__(params, defaults)
@@ -155,7 +155,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         reduced over the ranks. Call it after backward, right before ``step()``.
         """
         refuse_clip_in_backward(self)
-        grads = [sharding.local(p.grad) for group in self.param_groups for p in group["params"]
+        grads = [local(p.grad) for group in self.param_groups for p in group["params"]
                  if p.grad is not None]
         total, factor, found_inf = clip_factor(grads, max_norm, norm_type, error_if_nonfinite,
                                                self._shard_groups())
@@ -175,7 +175,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
                                        for i, p in enumerate(g["params"])],
                           self._subclass_params)
         layouts = {p: layout for i, p in enumerate(params)
-                   if (layout := sharding.layout_of(p, _param_name(gi, i, p))) is not None}
+                   if (layout := RowShard.of(p, _param_name(gi, i, p))) is not None}
         self._check_group({**self.defaults, **param_group}, f"param group {gi}", True)
         super().add_param_group({**param_group, "params": params})
         self._layouts.update(layouts)
@@ -259,7 +259,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
             for bucket in self._plan:
                 bucket.rng_step = rng_step
         if self._layouts:
-            grads = [[sharding.local(p.grad) for p in b.params] for b in self._plan]
+            grads = [[local(p.grad) for p in b.params] for b in self._plan]
         else:
             grads = [[p.grad for p in b.params] for b in self._plan]
         # GradScaler's scale goes to the ops, which divide it out as they read the
@@ -550,9 +550,9 @@ def _check_sharded_gradient(gi: int, i: int, p: Tensor) -> None:
     """Raise unless a DTensor parameter's gradient is split as the parameter is, with a
     contiguous block (FSDP2's are)."""
     g = p.grad
-    if not sharding.is_sharded(g) or tuple(g.placements) != tuple(p.placements) or \
+    if not is_sharded(g) or tuple(g.placements) != tuple(p.placements) or \
             g.device_mesh != p.device_mesh:
-        got = (f"placements {tuple(g.placements)}" if sharding.is_sharded(g)
+        got = (f"placements {tuple(g.placements)}" if is_sharded(g)
                else "a plain tensor")
         raise ValueError(f"{_param_name(gi, i, p)} is a DTensor with placements "
                          f"{tuple(p.placements)} but its gradient is {got}; the fused ops "
@@ -653,7 +653,7 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
         if id(p) in seen:
             raise ValueError(f"{name} is the same tensor as {seen[id(p)]}: a parameter may "
                              "appear once in an optimizer (it would be updated twice)")
-        block = sharding.local(p)
+        block = local(p)
         if is_traceable_wrapper_subclass(block) and not isinstance(block, subclasses):
             raise TypeError(f"{name} is a {type(block).__name__}, a tensor subclass with no "
                             "values of its own to update in place (a QuantLinear's weight is "
@@ -698,7 +698,7 @@ def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
         shard_groups = []  # the clip's norm was reduced over the ranks
     elif own:
         if local_grads is None:
-            local_grads = [sharding.local(p.grad) for _, _, p in with_grads]
+            local_grads = [local(p.grad) for _, _, p in with_grads]
         flag = _nonfinite_flag(local_grads)
     elif found_inf is not None:
         # GradScaler sums the flags of its devices: a count, where the step counts
@@ -865,7 +865,7 @@ def first_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
                     ) -> Optional[Tuple[int, int, Tensor]]:
     """The first (group index, index, tensor) whose gradient holds a NaN or an infinity
     (a host sync: for nonfinite="raise", which names it)."""
-    if not bool(_nonfinite_flag([sharding.local(p.grad) for _, _, p in with_grads])):
+    if not bool(_nonfinite_flag([local(p.grad) for _, _, p in with_grads])):
         return None
     return _named_nonfinite(with_grads)
 
@@ -875,7 +875,7 @@ def _named_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
     """The first item whose (local) gradient is not finite, by a second pass over them
     (run only once a flag said one is there; None: it is on another rank)."""
     return next((item for item in with_grads
-                 if not bool(sharding.local(item[2].grad).isfinite().all())), None)
+                 if not bool(local(item[2].grad).isfinite().all())), None)
 
 
 def check_nonfinite(nonfinite: Any) -> None:

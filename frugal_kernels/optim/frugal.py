@@ -9,11 +9,11 @@ from torch import Tensor
 
 from frugal_kernels import reference
 from frugal_kernels._layout import STATE_DTYPES, STATE_FREE_RULES
+from frugal_kernels._shard import local
 from frugal_kernels.optim.engine import FusedOptimizer, check_adamw_options, check_int, check_number
 from frugal_kernels.optim.memory import release_freed_memory
 from frugal_kernels.optim.plan import Assignment
 from frugal_kernels.optim.projections import DENSE, FAMILIES, Projection, Subspace
-from frugal_kernels.optim.sharding import local
 from frugal_kernels.optim.subspace_choice import BLOCK_ORDERS, PROJECTIONS
 
 __all__ = ["FRUGAL"]

@@ -48,7 +48,7 @@ def memory_of(t: torch.Tensor) -> List[torch.Tensor]:
     inner tensors (a QuantWeight's codes and scales: it owns no storage), else ``t``."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    from frugal_kernels.optim.sharding import local
+    from frugal_kernels._shard import local
 
     block = local(t)
     if is_traceable_wrapper_subclass(block):

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from frugal_kernels import _quant, ops
 from frugal_kernels._layout import LEFT, MomentBlocks, inverse_grad_scale, lowrank_side, project
-from frugal_kernels.optim.sharding import ShardLayout, local
+from frugal_kernels._shard import RowShard, local
 
 unchecked = ops.unchecked
 
@@ -97,14 +97,14 @@ class Bucket:
 
     ``params`` are the optimizer's parameters (the keys of its state); a DTensor
     among them (FSDP2) is updated through its local block, and ``layouts`` (None for
-    a plain tensor) says where that block lies (:mod:`frugal_kernels.optim.sharding`).
+    a plain tensor) says where that block lies (:class:`RowShard`).
     """
 
     assignment: Assignment
     group: dict
     lr: Tensor                     # the group's lr as a 0-dim tensor
     params: List[Tensor] = field(default_factory=list)
-    layouts: List[Optional[ShardLayout]] = field(default_factory=list)
+    layouts: List[Optional[RowShard]] = field(default_factory=list)
     # What the bucket's last checked call saw of its params (see signature); None
     # until a call has been checked.
     checked: Optional[list] = None
@@ -171,13 +171,13 @@ def adamw_assignment(st: dict) -> Assignment:
 def build(param_groups: Sequence[dict], state,
           assign: Callable[[int, dict, int, Tensor], Assignment],
           group_lr: Callable[[int, dict], Tensor],
-          layouts: Optional[Dict[Tensor, ShardLayout]] = None,
+          layouts: Optional[Dict[Tensor, RowShard]] = None,
           group_steps: Optional[Callable[[int], bool]] = None) -> List[Bucket]:
     """Bucket every tensor with a gradient by ``assign(group_index, group, index, p)``.
 
     ``assign`` also gives the tensor the state its rule needs; a bucket holds
     tensors of one group, dtype, device and bias-correction step. ``layouts`` maps
-    the DTensor parameters to their :class:`ShardLayout`; ``group_steps(gi)`` False
+    the DTensor parameters to their :class:`RowShard`; ``group_steps(gi)`` False
     leaves group ``gi`` out (BAdam's inactive blocks)."""
     layouts = layouts or {}
     buckets: Dict[tuple, Bucket] = {}
@@ -443,7 +443,7 @@ def _lowrank(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     low_updates = [torch.zeros_like(lg) for lg in adam_grads]
     calls.adamw_(low_updates, adam_grads, m, v, lr=bucket.lr, beta1=beta1, beta2=beta2,
                eps=group["eps"], weight_decay=0.0, step=step, backend=backend, **skip)
-    low_updates = [up if layout is None else layout.all_gather_chunks(up, low.shape[0])
+    low_updates = [up if layout is None else layout.gather(up, low.shape[0])
                    for up, low, layout in zip(low_updates, low_grads, left)]
     # At full rank the residual is zero but for rounding, which a sign would
     # blow up to +-lr: there is no state-free part.
@@ -507,9 +507,9 @@ def _dqt_call(bucket: Bucket, params, grads, m, v, indices, kind: str, step, bet
 
 
 def _row_layouts(bucket: Bucket) -> list:
-    """Where each param's rows lie in the whole weight: a DTensor's layout, or the row
-    shard that the deprecated ``shard_quantized_`` gives its weights; None for a whole
-    weight."""
+    """Where each param's rows lie in the whole weight: its :class:`RowShard`, a
+    DTensor's or the one the deprecated ``shard_quantized_`` gives its weights; None for
+    a whole weight."""
     return [layout or getattr(p, "shard", None) for p, layout in zip(bucket.params,
                                                                      bucket.layouts)]
 

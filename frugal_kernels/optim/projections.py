@@ -22,6 +22,7 @@ would hold (for state dicts and checkpoints) and back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, MutableMapping, Optional, Tuple
 
@@ -32,11 +33,12 @@ from frugal_kernels import ops
 from frugal_kernels._layout import (LEFT, MomentBlocks, lowrank_dim, lowrank_side, lowrank_state_shape,
                                     matrix_shape, projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
+from frugal_kernels._shard import RowShard, is_sharded, local
 from frugal_kernels.optim import subspace_choice
 from frugal_kernels.optim.plan import (ADAMW_INT8, ADAMW_INT8_MASTER, ADAMW_MASTER, STATE_FREE,
                                        Assignment, adamw_assignment, ensure_moments,
                                        stores_int8)
-from frugal_kernels.optim.sharding import SHARDED_KEYS, ShardLayout, is_sharded, local
+from frugal_kernels.optim.sharding import SHARDED_KEYS
 
 __all__ = ["DENSE", "DENSE_MASTER", "FAMILIES", "Blocks", "CoordinateSubset", "Dense",
            "DenseMaster", "LowRank", "Projection", "Subspace"]
@@ -65,7 +67,7 @@ class Subspace:
     generator: torch.Generator
     density: float
     record: dict
-    layouts: Mapping[Tensor, ShardLayout] = field(default_factory=dict)
+    layouts: Mapping[Tensor, RowShard] = field(default_factory=dict)
     arriving: bool = False
 
 
@@ -95,14 +97,14 @@ class Projection:
     # Saved states (fits, check_saved) are in the global form, checked against the
     # global tensor (a DTensor's shape is the global one).
 
-    def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:
+    def global_state(self, st: dict, p: Tensor, layout: RowShard) -> dict:
         """The state a single process would hold for the DTensor ``p``, from this
         rank's ``st``: DTensors for the entries that :func:`sharding.sharded_entry`
         names, plain tensors (the same on every rank) for the others. A collective."""
         return {key: layout.to_dtensor(value, self._global_shape(key, value, st, p))
                 if key in SHARDED_KEYS else value for key, value in st.items()}
 
-    def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
+    def local_state(self, saved: dict, p: Tensor, layout: RowShard,
                     device: torch.device) -> dict:
         """This rank's state from a global-form ``saved`` (checked already): copies,
         never the saved tensors. A collective."""
@@ -195,7 +197,7 @@ class CoordinateSubset(Projection):
     def _subset_kind(self, p: Tensor) -> str:
         return "flat" if p.dim() == 0 else self.subset_kind
 
-    def _per_row(self, p: Tensor, layout: ShardLayout) -> Optional[int]:
+    def _per_row(self, p: Tensor, layout: RowShard) -> Optional[int]:
         """For a DTensor sharded on dim 0: how many of the subset's ids fall in each
         row when the subset picks along the sharded rows (rows; flat coordinates,
         which run row after row; the columns of a 1-D tensor, its only dim), or
@@ -204,7 +206,7 @@ class CoordinateSubset(Projection):
         kind = self._subset_kind(p)
         if kind == "columns" and p.dim() >= 2:
             return None
-        return layout.row_numel if kind == "flat" else 1
+        return math.prod(p.shape[1:]) if kind == "flat" else 1
 
     def choose(self, sub: Subspace) -> None:
         for p in sub.group["params"]:
@@ -234,7 +236,7 @@ class CoordinateSubset(Projection):
                        p.device)
         return Assignment("subset", subset_kind=subset_kind, index_dtype=st["indices"].dtype)
 
-    def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:
+    def global_state(self, st: dict, p: Tensor, layout: RowShard) -> dict:
         per_row = self._per_row(p, layout)
         if per_row is None or "indices" not in st:
             # Matrix columns: the ids are global already and the moments are this
@@ -253,7 +255,7 @@ class CoordinateSubset(Projection):
                 out[key] = layout.to_dtensor(block, (k, *st[key].shape[1:]))
         return out
 
-    def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
+    def local_state(self, saved: dict, p: Tensor, layout: RowShard,
                     device: torch.device) -> dict:
         per_row = self._per_row(p, layout)
         if per_row is None or "indices" not in saved:
@@ -359,7 +361,7 @@ class LowRank(Projection):
                 layout.broadcast(projection)
             if lowrank_side(p.shape) == LEFT:
                 # P [m, r] acts on the rows: each rank keeps its own.
-                projection = projection.narrow(0, layout.offset, layout.rows).contiguous()
+                projection = projection.narrow(0, layout.offset, layout.size).contiguous()
         keep = (not sub.group["reset_state"] and "exp_avg" in st
                 and tuple(st["exp_avg"].shape) == _lowrank_moments_shape(p, rank, layout))
         if not keep:
@@ -381,14 +383,14 @@ class LowRank(Projection):
                                                              p.device, rows * cols * rank)
         return Assignment("lowrank", full_rank=rank == lowrank_dim(p.shape), fused=fused)
 
-    def global_state(self, st: dict, p: Tensor, layout: ShardLayout) -> dict:
+    def global_state(self, st: dict, p: Tensor, layout: RowShard) -> dict:
         out = super().global_state(st, p, layout)
         if p.dim() >= 2 and lowrank_side(p.shape) == LEFT and "projection" in st:
             out["projection"] = layout.to_dtensor(st["projection"],
                                                   (p.shape[0], st["projection"].shape[1]))
         return out
 
-    def local_state(self, saved: dict, p: Tensor, layout: ShardLayout,
+    def local_state(self, saved: dict, p: Tensor, layout: RowShard,
                     device: torch.device) -> dict:
         out = super().local_state(saved, p, layout, device)
         if p.dim() >= 2 and lowrank_side(p.shape) == LEFT and "projection" in saved:
@@ -430,7 +432,7 @@ class LowRank(Projection):
         return None
 
 
-def _lowrank_moments_shape(p: Tensor, rank: int, layout: Optional[ShardLayout]
+def _lowrank_moments_shape(p: Tensor, rank: int, layout: Optional[RowShard]
                            ) -> Tuple[int, ...]:
     """The moments' shape on this rank: the global [m, r] (right side) or [r, n]
     (left side), of which a DTensor's rank holds its chunk of the rows: its own rows

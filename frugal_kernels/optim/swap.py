@@ -66,11 +66,11 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from frugal_kernels import reference
 from frugal_kernels._layout import STATE_DTYPES, on_device
+from frugal_kernels._shard import RowShard, is_sharded, local
 from frugal_kernels.optim import plan, sharding
 from frugal_kernels.optim.engine import (by_device, check_adamw_options, check_lr, check_number,
                                        clip_factor, clipped_scale, count_steps,
                                        refuse_clip_in_backward, skip_flag, uncount_skipped)
-from frugal_kernels.optim.sharding import local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 
@@ -221,7 +221,7 @@ def _clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
     refuse_clip_in_backward(self)
     params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
     layouts = [layout for i, p in enumerate(params)
-               if (layout := sharding.layout_of(p, f"parameter {i} with a gradient")) is not None]
+               if (layout := RowShard.of(p, f"parameter {i} with a gradient")) is not None]
     total, factor, found_inf = clip_factor([local(p.grad) for p in params], max_norm, norm_type,
                                            error_if_nonfinite, sharding.process_groups(layouts))
     self.__dict__[_CLIP] = (factor, found_inf)
@@ -311,7 +311,7 @@ def _check_state_dtype(optimizer: Optimizer, state_dtype: str) -> None:
     if type(optimizer) is torch.optim.SGD:
         raise ValueError("swap: state_dtype='int8' stores AdamW's moments; an SGD's momentum "
                          "buffers stay fp32 (leave state_dtype='fp32')")
-    if any(sharding.is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
+    if any(is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("swap: state_dtype='int8' takes plain tensors; for DTensor "
                          "parameters (FSDP2) use FRUGAL.from_optimizer(optimizer, "
                          "state_dtype='int8') with unprojected groups")
@@ -485,8 +485,8 @@ def _group_plan(optimizer: Optimizer, group: dict, with_grads: List[Tensor], who
     if not whole:
         # A step in backward's tensor (never a DTensor there): its own call.
         return [plan.single(0, group, 0, with_grads[0], state, assign, lr)]
-    layouts = {p: sharding.layout_of(p, f"a parameter of shape {tuple(p.shape)}")
-               for p in with_grads if sharding.is_sharded(p)}
+    layouts = {p: RowShard.of(p, f"a parameter of shape {tuple(p.shape)}")
+               for p in with_grads if is_sharded(p)}
     return plan.build([group], state, assign, lr, layouts)
 
 

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import frugal_kernels as fk
-from frugal_kernels._layout import row_chunk
+from frugal_kernels._shard import RowShard, row_chunk
 from frugal_kernels.nn import QuantLinear, QuantWeight, shard_quantized_
 
 from .helpers import ddp_without_buffer_sync, free_port, load, save
@@ -312,8 +312,6 @@ def nonfinite_on_one_rank(mesh, rank):
 def count_shard_collectives(mesh, rank, world):
     """How often the split layers gather and reduce-scatter in one forward, backward and
     step (of a model with two split layers and row scales)."""
-    from frugal_kernels.nn.sharded import RowShard
-
     counts = {"gather": 0, "reduce_scatter_mean": 0}
     phase = {}
     real = {name: getattr(RowShard, name) for name in counts}
