@@ -65,7 +65,7 @@ from frugal_kernels.optim.engine import (by_device, check_adamw_options, check_b
                                          check_saved_state, check_step, check_tensor_step,
                                          clip_grad_norm, count_steps, param_name, step_scales,
                                          uncount_skipped)
-from frugal_kernels.optim.projections import Dense
+from frugal_kernels.optim.projections import DENSE
 from frugal_kernels.optim.sharding import ShardLayout, local
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
@@ -74,8 +74,6 @@ __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 _SWAP = "_frugal_swap"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
 _CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
-# The engine's family of AdamW state over every coordinate: what a torch Adam's state is.
-_DENSE = Dense()
 
 
 @dataclasses.dataclass
@@ -466,7 +464,8 @@ def _adam(optimizer: Optimizer, record: _Swap, group: dict, params: List[Tensor]
 
 def _check_adam_state(state: dict, p: Tensor, name: str) -> None:
     if state:
-        check_saved_state(state, p, name, _DENSE)
+        # The engine's family of AdamW state over every coordinate: a torch Adam's.
+        check_saved_state(state, p, name, DENSE)
 
 
 # ------------------------------------------------------------------ SGD
