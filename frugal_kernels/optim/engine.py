@@ -12,6 +12,12 @@ DTensor parameters (FSDP2's ``fully_shard``) are stepped through their local
 blocks, with state for the local rows only (:mod:`frugal_kernels.optim.sharding`);
 ``state_dict()`` gives the state in its global form and ``load_state_dict``
 takes it back, so that ``torch.distributed.checkpoint`` reshards it.
+
+The step's pieces are functions of this module as well as methods, so that a torch
+AdamW / Adam / SGD swapped onto the fused ops (:mod:`frugal_kernels.optim.swap`, whose
+state stays torch's) steps through the same checks (:func:`check_new_params`,
+:func:`check_step`, :func:`check_saved_state`), skip decision (:func:`step_scales`),
+step counts and clip (:func:`clip_grad_norm`).
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ from frugal_kernels.optim.plan import Assignment, Bucket
 from frugal_kernels.optim.projections import Projection
 from frugal_kernels.optim.protocol import FrugalOptimizer
 
-__all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "by_device", "check_adamw_options", "check_int",
-           "check_lr", "check_nonfinite", "check_number", "count_steps", "first_nonfinite",
-           "skip_flag", "uncount_skipped"]
+__all__ = ["NONFINITE_POLICIES", "FusedOptimizer", "by_device", "check_adamw_options",
+           "check_backend", "check_int", "check_lr", "check_new_params", "check_nonfinite",
+           "check_number", "check_saved_state", "check_step", "check_tensor_step",
+           "clip_grad_norm", "count_steps", "first_nonfinite", "param_name", "skip_flag",
+           "step_scales", "uncount_skipped"]
 
 _ADAMW_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "exp_avg_scale", "exp_avg_sq_scale")
 
@@ -63,9 +71,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, backend: str, nonfinite: str = "skip",
                  seed: int = 0):
-        if backend != "auto" and backend not in ops.BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
-                             f"got {backend!r}")
+        check_backend(backend)
         check_nonfinite(nonfinite)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
@@ -154,13 +160,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         float32 without being rounded back to 16 bits first). Under FSDP2 the norm is
         reduced over the ranks. Call it after backward, right before ``step()``.
         """
-        refuse_clip_in_backward(self)
-        grads = [local(p.grad) for group in self.param_groups for p in group["params"]
-                 if p.grad is not None]
-        total, factor, found_inf = clip_factor(grads, max_norm, norm_type, error_if_nonfinite,
-                                               self._shard_groups())
-        self._pending_clip = (factor, found_inf)
-        return total
+        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite, self._shard_groups())
 
     def add_param_group(self, param_group: dict) -> None:
         gi = len(self.param_groups)
@@ -171,11 +171,9 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
                             "but the ordering of tensors in sets will change between runs; "
                             "use a list")
         params = list(params)
-        _check_new_params(params, gi, [(gj, i, p) for gj, g in enumerate(self.param_groups)
-                                       for i, p in enumerate(g["params"])],
-                          self._subclass_params)
-        layouts = {p: layout for i, p in enumerate(params)
-                   if (layout := RowShard.of(p, _param_name(gi, i, p))) is not None}
+        layouts = check_new_params(params, gi, [(gj, i, p) for gj, g in enumerate(self.param_groups)
+                                                for i, p in enumerate(g["params"])],
+                                   self._subclass_params)
         self._check_group({**self.defaults, **param_group}, f"param group {gi}", True)
         super().add_param_group({**param_group, "params": params})
         self._layouts.update(layouts)
@@ -242,8 +240,10 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         from the parameters is tied to the gradient tensors themselves, and a
         backward pass makes new ones each step."""
         # Checks first, writes after: nothing below raises on what the user passed.
-        key, with_grads, local_grads = self._check_step()
-        found_inf = self._skip_flag(with_grads, local_grads)
+        key, with_grads, local_grads = check_step(self.param_groups, self._check_group,
+                                                  self._layouts, self._group_steps)
+        grad_scale, found_inf = step_scales(self, self.nonfinite, with_grads,
+                                            self._shard_groups(), local_grads)
         self._prepare_plan(key)
         self._fill_lrs()
         if self._steps_plan is not self._plan:
@@ -262,19 +262,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
             grads = [[local(p.grad) for p in b.params] for b in self._plan]
         else:
             grads = [[p.grad for p in b.params] for b in self._plan]
-        # GradScaler's scale goes to the ops, which divide it out as they read the
-        # gradients: no separate pass over them (8 bytes per parameter). So does the
-        # factor of a clip_grad_norm_ (12 bytes per parameter that torch's clip writes).
-        grad_scale = getattr(self, "grad_scale", None)
-        if self._pending_clip is not None:
-            grad_scale = clipped_scale(grad_scale, self._pending_clip[0])
         return self._plan, grads, grad_scale, found_inf
-
-    def _skip_flag(self, with_grads: List[Tuple[int, int, Tensor]],
-                   local_grads: List[Tensor]) -> Optional[Tensor]:
-        clip_flag = None if self._pending_clip is None else self._pending_clip[1]
-        return skip_flag(getattr(self, "found_inf", None), self.nonfinite, with_grads,
-                         self._shard_groups(), local_grads, clip_flag)
 
     @torch._dynamo.disable
     def _uncount_skipped(self, found_inf: Optional[Tensor]) -> None:
@@ -289,37 +277,6 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
     def _shard_groups(self) -> List[Any]:
         """The process groups the DTensor parameters are sharded over, once each."""
         return sharding.process_groups(self._layouts.values())
-
-    def _check_step(self) -> Tuple[tuple, List[Tuple[int, int, Tensor]], List[Tensor]]:
-        """Every per-step check, before anything changes: the groups' options (lr
-        values included) and each gradient against its parameter. What cannot
-        change between steps (duplicates, aliasing) is checked when a group is
-        added. Returns the plan's key (which tensors have gradients), the
-        tensors with gradients, as (group index, index in the group, tensor), and
-        their gradients (a DTensor's local block)."""
-        key, with_grads, grads = [], [], []
-        strided, layouts = torch.strided, self._layouts
-        for gi, group in enumerate(self.param_groups):
-            self._check_group(group, f"param group {gi}")
-            if not self._group_steps(gi):
-                key.append(None)
-                continue
-            for i, p in enumerate(group["params"]):
-                g = p.grad
-                key.append(g is not None)
-                if g is None:
-                    continue
-                # The cheap test of every step; torch's grad setter and autograd already
-                # hold a gradient to its parameter's shape and device (its dtype too,
-                # unless p.grad_dtype was cleared).
-                if g.layout is not strided or g.dtype is not p.dtype or not p.is_contiguous():
-                    _refuse_gradient(gi, i, p)
-                if layouts and p in layouts:
-                    _check_sharded_gradient(gi, i, p)
-                    g = g.to_local()
-                with_grads.append((gi, i, p))
-                grads.append(g)
-        return tuple(key), with_grads, grads
 
     def _prepare_plan(self, key: tuple) -> None:
         """Subspace changes and the plan, undone if they raise (an svd that fails, say)."""
@@ -428,15 +385,8 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         gi, i = self._tensor_index[p]
         if not self._group_steps(gi):
             return  # the ordinary step leaves it alone too
+        check_tensor_step(gi, i, p, self.nonfinite)
         g = p.grad
-        if g.layout is not torch.strided or g.dtype is not p.dtype or not p.is_contiguous():
-            _refuse_gradient(gi, i, p)
-        # The ordinary step's check, which makes no temporary the size of the gradient (a
-        # bool mask of each was seen to raise a LLaMA-20m step's high-water mark by 50 MB).
-        if self.nonfinite == "raise" and first_nonfinite([(gi, i, p)]) is not None:
-            raise ValueError(f"{_param_name(gi, i, p)} has a non-finite gradient (NaN or inf); "
-                             "its update was not applied (nonfinite='raise'); the tensors "
-                             "stepped before it in this backward keep theirs")
         bucket = self._tensor_buckets.get(p)
         if bucket is None:
             group = self.param_groups[gi]
@@ -530,7 +480,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         for saved, group in zip(saved_groups, self.param_groups):
             family = self._family(group)
             for pid, p in zip(saved["params"], group["params"]):
-                _check_saved_state(state_dict["state"].get(pid, {}), p, pid, family)
+                check_saved_state(state_dict["state"].get(pid, {}), p, pid, family)
 
     def _check_saved_group(self, gi: int, saved: dict, group: dict) -> None:
         """Raise a ValueError if the saved group ``gi`` cannot resume ``group``."""
@@ -554,15 +504,17 @@ def _check_sharded_gradient(gi: int, i: int, p: Tensor) -> None:
             g.device_mesh != p.device_mesh:
         got = (f"placements {tuple(g.placements)}" if is_sharded(g)
                else "a plain tensor")
-        raise ValueError(f"{_param_name(gi, i, p)} is a DTensor with placements "
+        raise ValueError(f"{param_name(gi, i, p)} is a DTensor with placements "
                          f"{tuple(p.placements)} but its gradient is {got}; the fused ops "
                          "step each rank's block with the same block of the gradient")
     if not g.to_local().is_contiguous():
-        raise ValueError(f"{_param_name(gi, i, p)}: the local block of its gradient is not "
+        raise ValueError(f"{param_name(gi, i, p)}: the local block of its gradient is not "
                          "contiguous")
 
 
-def _check_saved_state(saved: dict, p: Tensor, pid: Any, family: Projection) -> None:
+def check_saved_state(saved: dict, p: Tensor, pid: Any, family: Projection) -> None:
+    """Raise a ValueError, naming ``pid``, unless ``saved`` (a state of AdamW's keys and
+    the family's, in its global form) can resume ``p``."""
     for key, value in saved.items():
         if key not in _ADAMW_STATE_KEYS + family.state_keys:
             raise ValueError(f"state of param {pid}: unknown entry {key!r}")
@@ -619,13 +571,13 @@ _CONTIGUOUS_ADVICE = ("make it contiguous before building the optimizer: "
                       "(for a channels_last module: module.to(memory_format=torch.contiguous_format))")
 
 
-def _param_name(gi: int, i: int, p: Tensor) -> str:
+def param_name(gi: int, i: int, p: Tensor) -> str:
     return f"params[{i}] of param group {gi} (shape {tuple(p.shape)}, {p.dtype})"
 
 
 def _refuse_gradient(gi: int, i: int, p: Tensor) -> None:
     """Raise the ValueError that says why ``p`` cannot take a step with its gradient."""
-    name, g = _param_name(gi, i, p), p.grad
+    name, g = param_name(gi, i, p), p.grad
     if g.layout != torch.strided:
         raise ValueError(f"{name} has a sparse gradient ({g.layout}); the fused ops take dense "
                          "gradients (build the module with sparse=False, e.g. "
@@ -637,19 +589,20 @@ def _refuse_gradient(gi: int, i: int, p: Tensor) -> None:
                      "fused ops take gradients of their parameter's dtype")
 
 
-def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int, Tensor]],
-                      subclasses: Tuple[type, ...] = ()) -> None:
+def check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int, Tensor]],
+                     subclasses: Tuple[type, ...] = ()) -> Dict[Tensor, RowShard]:
     """Refuse what the fused ops cannot update in place: a parameter listed twice (here
     or in an earlier group), two parameters sharing memory, a non-contiguous parameter,
     a parameter of a dtype the ops do not take, a tensor subclass that holds no values of
-    its own, unless the optimizer's rules update it (``subclasses``). Checked once, when
-    the group is added, not at every step."""
-    seen: Dict[int, str] = {id(p): _param_name(gj, i, p) for gj, i, p in existing}
+    its own, unless the optimizer's rules update it (``subclasses``), a DTensor split in a
+    way the optimizers cannot step. Checked once, when the group is added, not at every
+    step. Returns the layouts of the DTensor parameters among ``params``."""
+    seen: Dict[int, str] = {id(p): param_name(gj, i, p) for gj, i, p in existing}
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
             raise TypeError(f"optimizer can only optimize Tensors, but params[{i}] of param "
                             f"group {gi} is a {type(p).__name__}")
-        name = _param_name(gi, i, p)
+        name = param_name(gi, i, p)
         if id(p) in seen:
             raise ValueError(f"{name} is the same tensor as {seen[id(p)]}: a parameter may "
                              "appear once in an optimizer (it would be updated twice)")
@@ -668,14 +621,87 @@ def _check_new_params(params: List[Any], gi: int, existing: List[Tuple[int, int,
             raise TypeError(f"{name}: the fused ops update float32, bfloat16 and float16 "
                             "parameters")
         seen[id(p)] = name
-    clash = first_overlap([(t, True, _param_name(gj, i, p)) for gj, i, p in existing
+    clash = first_overlap([(t, True, param_name(gj, i, p)) for gj, i, p in existing
                            for t in memory_of(p)]
-                          + [(t, True, _param_name(gi, i, p)) for i, p in enumerate(params)
+                          + [(t, True, param_name(gi, i, p)) for i, p in enumerate(params)
                              for t in memory_of(p)])
     if clash is not None:
         raise ValueError(f"{clash[0]} shares memory with {clash[1]} (views of one tensor): "
                          "each would be updated with the other's gradient; pass separate "
                          "tensors")
+    return {p: layout for i, p in enumerate(params)
+            if (layout := RowShard.of(p, param_name(gi, i, p))) is not None}
+
+
+def check_step(param_groups: List[dict], check_group: Callable[[dict, str], None],
+               layouts: Dict[Tensor, RowShard],
+               group_steps: Optional[Callable[[int], bool]] = None
+               ) -> Tuple[tuple, List[Tuple[int, int, Tensor]], List[Tensor]]:
+    """Every per-step check of a step, before it changes anything: each group's options
+    (``check_group(group, where)``; a user or a scheduler may have changed them) and each
+    gradient against its parameter (``layouts``: the DTensor parameters'). What cannot
+    change between steps (duplicates, aliasing) is checked when a group is added
+    (:func:`check_new_params`). Returns the plan's key (which tensors have gradients;
+    None for a group that ``group_steps`` leaves out), the tensors with gradients, as
+    (group index, index in the group, tensor), and their gradients (a DTensor's local
+    block)."""
+    key, with_grads, grads = [], [], []
+    strided = torch.strided
+    for gi, group in enumerate(param_groups):
+        check_group(group, f"param group {gi}")
+        if group_steps is not None and not group_steps(gi):
+            key.append(None)
+            continue
+        for i, p in enumerate(group["params"]):
+            g = p.grad
+            key.append(g is not None)
+            if g is None:
+                continue
+            # The cheap test of every step; torch's grad setter and autograd already
+            # hold a gradient to its parameter's shape and device (its dtype too,
+            # unless p.grad_dtype was cleared).
+            if g.layout is not strided or g.dtype is not p.dtype or not p.is_contiguous():
+                _refuse_gradient(gi, i, p)
+            if layouts and p in layouts:
+                _check_sharded_gradient(gi, i, p)
+                g = g.to_local()
+            with_grads.append((gi, i, p))
+            grads.append(g)
+    return tuple(key), with_grads, grads
+
+
+def check_tensor_step(gi: int, i: int, p: Tensor, nonfinite: str) -> None:
+    """The checks of one tensor's step inside backward (``params[i]`` of group ``gi``, its
+    gradient complete): the gradient against its parameter, as :func:`check_step`, and
+    under ``nonfinite="raise"`` its values (one host read of a flag). The read makes no
+    temporary the size of the gradient (a bool mask of each was seen to raise a
+    LLaMA-20m step's high-water mark by 50 MB)."""
+    g = p.grad
+    if g.layout is not torch.strided or g.dtype is not p.dtype or not p.is_contiguous():
+        _refuse_gradient(gi, i, p)
+    if nonfinite == "raise" and first_nonfinite([(gi, i, p)]) is not None:
+        raise ValueError(f"{param_name(gi, i, p)} has a non-finite gradient (NaN or inf); "
+                         "its update was not applied (nonfinite='raise'); the tensors "
+                         "stepped before it in this backward keep theirs")
+
+
+def step_scales(optimizer: Optimizer, nonfinite: str, with_grads: List[Tuple[int, int, Tensor]],
+                shard_groups: List[Any], local_grads: Optional[List[Tensor]] = None
+                ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The ``grad_scale`` and ``found_inf`` of a step's op calls. A GradScaler's scale
+    (``optimizer.grad_scale``) goes to the ops, which divide it out as they read the
+    gradients: no separate pass over them (8 bytes per parameter); so does the factor of
+    a pending ``clip_grad_norm_`` (``optimizer._pending_clip``; 12 bytes per parameter
+    that torch's clip writes). The skip is :func:`skip_flag` under ``nonfinite``, with
+    the clip's flag, when one is pending, instead of a read of its own."""
+    grad_scale, clip = getattr(optimizer, "grad_scale", None), getattr(optimizer, "_pending_clip",
+                                                                       None)
+    clip_flag = None
+    if clip is not None:
+        grad_scale, clip_flag = clipped_scale(grad_scale, clip[0]), clip[1]
+    found_inf = skip_flag(getattr(optimizer, "found_inf", None), nonfinite, with_grads,
+                          shard_groups, local_grads, clip_flag)
+    return grad_scale, found_inf
 
 
 def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
@@ -713,7 +739,7 @@ def skip_flag(found_inf: Optional[Tensor], nonfinite: str,
     if own and nonfinite == "raise":
         if bool(flag):  # the documented host sync of nonfinite="raise"
             bad = _named_nonfinite(with_grads)
-            where = "a parameter's rows on another rank" if bad is None else _param_name(*bad)
+            where = "a parameter's rows on another rank" if bad is None else param_name(*bad)
             raise ValueError(f"{where} has a non-finite gradient (NaN or inf); "
                              "the step was not applied (nonfinite='raise')")
         return None
@@ -813,7 +839,7 @@ def global_norm(grads: List[Tensor], norm_type: float, shard_groups: List[Any]
     return total, flag
 
 
-def refuse_clip_in_backward(optimizer: Optimizer) -> None:
+def _refuse_clip_in_backward(optimizer: Optimizer) -> None:
     """Refuse ``optimizer.clip_grad_norm_`` while its tensors step in backward: their
     gradients were used and freed inside backward, so it would find none (a norm of 0)."""
     from frugal_kernels.optim.in_backward import handle_of  # it imports this module
@@ -827,13 +853,17 @@ def refuse_clip_in_backward(optimizer: Optimizer) -> None:
             "joint norm, with handle.norm_pass()); or handle.remove() for the ordinary step")
 
 
-def clip_factor(grads: List[Tensor], max_norm: float, norm_type: float,
-                error_if_nonfinite: bool, shard_groups: List[Any]
-                ) -> Tuple[Tensor, Tensor, Tensor]:
-    """What a ``clip_grad_norm_`` hands to the next step, checked as torch checks it: the
-    total norm of ``grads`` (see :func:`global_norm`), torch's clip factor from it and
-    the non-finite flag, in one read of the gradients and no host sync (but the one
-    ``error_if_nonfinite`` asks for)."""
+def clip_grad_norm(optimizer: Optimizer, max_norm: float, norm_type: float,
+                   error_if_nonfinite: bool, shard_groups: List[Any]) -> Tensor:
+    """``optimizer.clip_grad_norm_`` (FusedOptimizer's, and a torch optimizer's swapped by
+    :func:`frugal_kernels.swap`), checked as torch checks it and refused while the
+    optimizer steps in backward: the total norm of its gradients (see
+    :func:`global_norm`; ``shard_groups``: the ranks of its DTensor parameters), returned,
+    and torch's clip factor from it with the non-finite flag left in
+    ``optimizer._pending_clip`` for the next step (:func:`step_scales`). One read of the
+    gradients, no host sync (but the one ``error_if_nonfinite`` asks for); nothing is
+    pending when it raises."""
+    _refuse_clip_in_backward(optimizer)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise TypeError(f"max_norm must be a number, got {max_norm!r}")
     if not (math.isfinite(max_norm) and max_norm >= 0):
@@ -841,13 +871,16 @@ def clip_factor(grads: List[Tensor], max_norm: float, norm_type: float,
     norm_type = float(norm_type)
     if not (norm_type == 2.0 or norm_type == math.inf):
         raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
+    grads = [local(p.grad) for group in optimizer.param_groups
+             for p in group["params"] if p.grad is not None]
     total, found_inf = global_norm(grads, norm_type, shard_groups)
     if error_if_nonfinite and not bool(torch.isfinite(total)):  # the sync torch makes too
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            "non-finite, so it cannot be clipped; to skip such steps "
                            "instead, leave error_if_nonfinite=False")
     # torch's factor, to the bit: computed in float32 from the float32 norm.
-    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0), found_inf
+    optimizer._pending_clip = (torch.clamp(max_norm / (total + 1e-6), max=1.0), found_inf)
+    return total
 
 
 def clipped_scale(grad_scale: Optional[Tensor], factor: Tensor) -> Tensor:
@@ -876,6 +909,12 @@ def _named_nonfinite(with_grads: List[Tuple[int, int, Tensor]]
     (run only once a flag said one is there; None: it is on another rank)."""
     return next((item for item in with_grads
                  if not bool(local(item[2].grad).isfinite().all())), None)
+
+
+def check_backend(backend: Any) -> None:
+    if backend != "auto" and backend not in ops.BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {', '.join(ops.BACKENDS)}; "
+                         f"got {backend!r}")
 
 
 def check_nonfinite(nonfinite: Any) -> None:

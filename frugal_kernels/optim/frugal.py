@@ -425,8 +425,13 @@ def _groups_and_moments(optimizer: torch.optim.Optimizer) -> Tuple[List[dict], D
         for p in group["params"]:
             st = optimizer.state.get(p, {})
             if "exp_avg" in st and "exp_avg_sq" in st:
-                carried[p] = {"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"],
-                              "step": float(st["step"])}
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                if "exp_avg_scale" in st:
+                    # A torch AdamW swapped with state_dtype="int8": the moments its codes
+                    # stand for (swap(undo=True)'s), not the codes.
+                    m = reference.dequantize_moment(m, st["exp_avg_scale"], False)
+                    v = reference.dequantize_moment(v, st["exp_avg_sq_scale"], True)
+                carried[p] = {"exp_avg": m, "exp_avg_sq": v, "step": float(st["step"])}
     return groups, carried
 
 

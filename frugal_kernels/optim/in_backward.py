@@ -110,7 +110,8 @@ def step_in_backward(optimizer: Optimizer, accumulation_steps: int = 1, *,
             default ``nonfinite="skip"`` a tensor with a non-finite gradient is not
             updated and the rest of the step goes on; see the module docstring), or
             a torch AdamW / Adam / SGD swapped onto the fused ops
-            (:func:`frugal_kernels.swap`), which propagates NaN as torch's step does.
+            (:func:`frugal_kernels.swap`), with the ``nonfinite`` policy given to the
+            swap (the same default).
         accumulation_steps: backward passes per optimizer step.
         max_grad_norm: clip the gradients to this 2-norm before their update, by
             ``clip``: ``"tensor"``, each tensor's gradient by its own norm (one pass);

@@ -13,52 +13,45 @@ decoupled weight decay is ``adamw_``'s own; Adam's coupled (L2) decay is
 added to the gradient first (``g + weight_decay * p``, one extra pass) and
 ``adamw_`` then runs without decay; SGD runs on ``sgd_``.
 
-The swapped step is built from the step engine's pieces (optim/engine.py,
-optim/plan.py): its op calls are the engine's plan (``plan.build`` /
-``plan.run`` with the ``adamw`` and ``adamw_int8`` rules, ``coupled`` for
-Adam's L2 decay, and the ``sgd`` and ``sgd_first`` rules, kept between steps,
-see _group_plan), its option values are checked by
-the engine's checks, the skip decision is its ``skip_flag`` and the step
-counts are counted and taken back by its ``count_steps`` /
-``uncount_skipped``. The state stays torch's (a count per tensor, in torch's
-dtype and on torch's device), not the engine's packed counts.
+The swapped step is the step engine's (optim/engine.py, optim/plan.py) over
+torch's state: its checks (:func:`check_new_params` when a group is first
+stepped, :func:`check_step` at every step, the option checks, the saved-state
+checks where a group's plan is built), then the skip decision under the
+``nonfinite`` policy (:func:`step_scales`: a GradScaler's flag, a pending clip's,
+or one read of the gradients), then the writes: each group's state, its plan of
+op calls (``plan.build`` / ``plan.run`` with the ``adamw`` and ``adamw_int8``
+rules, ``coupled`` for Adam's L2 decay, and the ``sgd`` and ``sgd_first``
+rules, kept between steps, see _kept) and the step counts
+(:func:`count_steps` / :func:`uncount_skipped`). So a step that raises, in any
+group, has changed nothing. The state stays torch's (a count per tensor, in
+torch's dtype and on torch's device), not the engine's packed counts.
 
-What a swapped step refuses, with a ValueError naming the group and option:
-``amsgrad``, ``capturable`` and ``differentiable`` set, option values the
-engine refuses (an lr, eps, weight_decay, momentum or dampening not finite and
->= 0, betas outside [0, 1)), sparse gradients, non-contiguous parameters and
-parameters that are not float32 (torch keeps their state in the parameter's
-dtype, which the fused ops, with float32 state, do not store). The
-``foreach`` and ``fused`` flags are ignored: the fused ops replace both
-paths (a ``fused`` group's new ``step`` tensors still live where torch's
+What a swapped step refuses beyond the engine's checks, with a ValueError naming
+the group and option or the parameter: ``amsgrad``, ``capturable`` and
+``differentiable`` set, and parameters that are not float32 (torch keeps their
+state in the parameter's dtype, which the fused ops, with float32 state, do not
+store). The ``foreach`` and ``fused`` flags are ignored: the fused ops replace
+both paths (a ``fused`` group's new ``step`` tensors still live where torch's
 fused path puts them, on the parameter's device).
 
-A ``fused=True`` torch AdamW / Adam / SGD tells a GradScaler that its step
-unscales the gradients and skips on an inf itself (``_step_supports_amp_scaling``):
-the swapped step does both as torch's fused step does, with the scaler's
-``grad_scale`` and ``found_inf`` handed to the fused ops, decided on the device
-(no host sync). The step counts are counted before the update and take a
-skipped step back after it, as torch's fused step does, so a skipped step
-leaves them as they were (a scaler's sum of two devices' flags counts as one).
+A ``fused=True`` torch optimizer tells a GradScaler that its step unscales and
+skips itself (``_step_supports_amp_scaling``): the swapped step hands the scaler's
+``grad_scale`` and ``found_inf`` to the fused ops, as the engine does, its step
+counts taken back after a skipped step on the device, as torch's fused step does.
 
-The swap also gives the instance ``clip_grad_norm_(max_norm, norm_type=2.0,
-error_if_nonfinite=False)``, the step engine's clip: the global norm and the
-non-finite flag in one read of the gradients (``ops.grad_norm``), the clip
-factor handed to the next step, whose fused ops apply it as they read the
-gradients (folded into a GradScaler's scale), and the flag its skip decision
-(``found_inf``, with the step counts taken back). A method on the instance, as
-the swapped ``step`` is, rather than a free function: the optimizer is the
-thing that holds the pending clip until its next step, and a training loop
-calls ``opt.clip_grad_norm_`` the same way on every optimizer of the package.
-``swap(undo=True)`` removes it with the step (and a clip still pending).
+The swap also gives the instance the engine's ``clip_grad_norm_``
+(:func:`clip_grad_norm`): a method of the instance, as the swapped ``step`` is,
+since the optimizer holds the pending clip until its next step.
+``swap(undo=True)`` removes both (and a clip still pending).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -68,30 +61,43 @@ from frugal_kernels import reference
 from frugal_kernels._layout import STATE_DTYPES, on_device
 from frugal_kernels._shard import RowShard, is_sharded, local
 from frugal_kernels.optim import plan, sharding
-from frugal_kernels.optim.engine import (by_device, check_adamw_options, check_lr, check_number,
-                                       clip_factor, clipped_scale, count_steps,
-                                       refuse_clip_in_backward, skip_flag, uncount_skipped)
+from frugal_kernels.optim.engine import (by_device, check_adamw_options, check_backend, check_lr,
+                                         check_new_params, check_nonfinite, check_number,
+                                         check_saved_state, check_step, check_tensor_step,
+                                         clip_grad_norm, count_steps, param_name, step_scales,
+                                         uncount_skipped)
+from frugal_kernels.optim.projections import DENSE
 
 __all__ = ["SWAPPABLE", "is_swapped", "swap", "tensor_steps"]
 
-# Where the swap keeps what it replaced: the instance's own ``step``
-# attribute before the swap (an LR scheduler's wrapper, say), or None.
-_SAVED = "_frugal_swap_saved_step"
-# Where it keeps the backend of the swapped step.
-_BACKEND = "_frugal_swap_backend"
-# Where it keeps each group's plan of op calls, and each tensor's that steps in
-# backward (see _group_plan).
-_CALLS = "_frugal_swap_calls"
+# Where the swap keeps its record (_Swap) on the instance.
+_SWAP = "_frugal_swap"
 _REFUSED = ("amsgrad", "capturable", "differentiable")
-# Where clip_grad_norm_ leaves (clip factor, non-finite flag) for the next step.
-_CLIP = "_frugal_swap_clip"
-# Where a swap with state_dtype="int8" keeps the handles of its state dict hooks.
-_INT8_HOOKS = "_frugal_swap_int8_hooks"
 _CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 
+@dataclasses.dataclass
+class _Swap:
+    """What a swap keeps on the instance besides its ``step`` and ``clip_grad_norm_``."""
+
+    # The instance's own ``step`` attribute before the swap (an LR scheduler's wrapper),
+    # or None.
+    saved_step: Optional[Callable]
+    backend: str
+    nonfinite: str
+    # With state_dtype="int8": the handles of its state dict hooks.
+    int8_hooks: tuple = ()
+    # The DTensor parameters' layouts (FSDP2), of the groups checked so far.
+    layouts: Dict[Tensor, RowShard] = dataclasses.field(default_factory=dict)
+    # How many param groups had their parameters checked: a group added after the swap
+    # (torch's add_param_group) is checked at the next step.
+    checked: int = 0
+    # Each group's plan of op calls, and each tensor's that steps in backward (see _kept).
+    plans: Dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+
 def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
-         state_dtype: str = "fp32") -> Optimizer:
+         state_dtype: str = "fp32", nonfinite: str = "skip") -> Optimizer:
     """Make ``optimizer.step`` run on the fused ops; returns the same optimizer.
 
     ``optimizer`` is a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` instance (not
@@ -111,17 +117,24 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
             records it in each group (``"state_dtype"``), and loading one of another
             state dtype raises a ValueError, the optimizer untouched. ``undo=True``
             turns the 8-bit moments back into fp32 moments for torch's own step.
+        nonfinite: what a step does when a gradient holds a NaN or an infinity, as
+            for the package's optimizers (:class:`frugal_kernels.FRUGAL`):
+            ``"skip"`` (default) leaves params, state and step counts as they were,
+            decided on the device; ``"raise"`` raises a ValueError naming the
+            parameter (one host sync per step); ``"propagate"`` applies the step as
+            torch's own does. Under a GradScaler its ``found_inf`` decides.
 
     Raises:
         TypeError: for an optimizer of another type.
-        ValueError: for an option the swapped step does not honour (see the
-            module docstring); checked now and again at every step, since
-            param groups may change.
+        ValueError: for an option the swapped step does not honour (see the module
+            docstring), a bad ``backend``, ``state_dtype`` or ``nonfinite``; a
+            group's options are checked now and again at every step, since param
+            groups may change.
         RuntimeError: for ``undo=True`` while the optimizer steps in backward
             (:func:`frugal_kernels.step_in_backward`): ``handle.remove()`` first.
     """
     if undo:
-        if _SAVED not in optimizer.__dict__:
+        if not is_swapped(optimizer):
             raise ValueError("swap(undo=True): this optimizer was not swapped")
         # Imported here: the step in backward is built on this module.
         from frugal_kernels.optim.in_backward import handle_of
@@ -132,27 +145,27 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
             raise RuntimeError("swap(undo=True): this optimizer steps in backward "
                                "(frugal_kernels.step_in_backward); call handle.remove() "
                                "first, then undo the swap")
-        saved = optimizer.__dict__.pop(_SAVED)
-        for handle in optimizer.__dict__.pop(_INT8_HOOKS, ()):
+        record = optimizer.__dict__.pop(_SWAP)
+        for handle in record.int8_hooks:
             handle.remove()
         _dequantize_state(optimizer)
-        optimizer.__dict__.pop(_BACKEND, None)
-        optimizer.__dict__.pop(_CALLS, None)
-        optimizer.__dict__.pop(_CLIP, None)
+        optimizer.__dict__.pop("_pending_clip", None)
         del optimizer.step
         del optimizer.clip_grad_norm_
-        if saved is not None:
-            optimizer.step = saved
+        if record.saved_step is not None:
+            optimizer.step = record.saved_step
         return optimizer
     kind = type(optimizer)
-    if kind not in _STEPS:
+    if kind not in _KINDS:
         raise TypeError(f"swap supports torch.optim.AdamW, Adam and SGD instances, got "
                         f"{kind.__module__}.{kind.__qualname__}")
-    if _SAVED in optimizer.__dict__:
+    if is_swapped(optimizer):
         return optimizer
-    _check_groups(optimizer, read_device=True)
+    check_backend(backend)
+    check_nonfinite(nonfinite)
+    record = _Swap(optimizer.__dict__.get("step"), backend, nonfinite)
+    _check_new_groups(optimizer, record)
     _check_state_dtype(optimizer, state_dtype)
-    group_step = _STEPS[kind]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -162,75 +175,41 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
                 loss = closure()
         # An LR scheduler attached before the swap watches this flag.
         self._opt_called = True
-        with_grads = _check_groups(self)
-        clip = self.__dict__.pop(_CLIP, None)  # taken by this step, whatever happens below
-        amp = _amp(self, with_grads, clip)
-        for group in self.param_groups:
-            group_step(self, group, backend, amp=amp)
+        _step(self, self.__dict__[_SWAP])
         return loss
 
     hooked = Optimizer.profile_hook_step(step)
     # Tells LR schedulers made after the swap that this step already sets
     # _opt_called (they would otherwise wrap it again).
     hooked._wrapped_by_lr_sched = True
-    optimizer.__dict__[_SAVED] = optimizer.__dict__.get("step")
-    optimizer.__dict__[_BACKEND] = backend
     if state_dtype == "int8":
-        optimizer.__dict__[_INT8_HOOKS] = (
+        record.int8_hooks = (
             optimizer.register_state_dict_post_hook(_record_state_dtype),
             optimizer.register_load_state_dict_pre_hook(_refuse_other_state_dtype),
             optimizer.register_load_state_dict_post_hook(_restore_code_dtypes))
+    optimizer.__dict__[_SWAP] = record
     optimizer.step = types.MethodType(hooked, optimizer)
     optimizer.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, optimizer)
     return optimizer
 
 
-def _amp(optimizer: Optimizer, with_grads: List[Tuple[int, int, Tensor]],
-         clip: Optional[Tuple[Tensor, Tensor]]) -> dict:
-    """The ``grad_scale`` and ``found_inf`` of a swapped step's op calls. A GradScaler sets
-    its tensors only on an optimizer whose step unscales and skips (a fused torch
-    optimizer). The skip is decided by the engine's :func:`skip_flag` under torch's own
-    policy, ``"propagate"``, but where a pending clip has already read the gradients:
-    its flag is then the step's (``"skip"`` without a read of its own). A GradScaler's
-    flag stands over a clip's (it was computed over these gradients), and neither needs
-    the ranks of FSDP2 to agree again (a sharded scaler's and a clip's already do)."""
-    grad_scale, clip_flag = getattr(optimizer, "grad_scale", None), None
-    if clip is not None:
-        grad_scale, clip_flag = clipped_scale(grad_scale, clip[0]), clip[1]
-    found_inf = skip_flag(getattr(optimizer, "found_inf", None),
-                          "propagate" if clip is None else "skip", with_grads, [],
-                          clip_flag=clip_flag)
-    return {"grad_scale": grad_scale, "found_inf": found_inf}
-
-
 def _clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                      error_if_nonfinite: bool = False) -> Tensor:
     """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
-    over this optimizer's parameters, in one read of them.
-
-    Returns the total norm (a 0-dim float32 tensor, as torch's). The gradients are not
-    rewritten: the next ``step()`` applies torch's factor ``min(1, max_norm / (norm +
-    1e-6))`` as its fused ops read them, which equals clipping first and stepping after
-    with that factor to the bit, and skips itself on the device (params, state and step
-    counts untouched) when a gradient is NaN or infinite, where torch's clip would scale
-    every gradient to NaN. Under FSDP2 the norm is reduced over the ranks. Call it after
-    backward (after a GradScaler's ``unscale_``), right before ``step()``; it applies to
-    that step only. Refused while the optimizer steps in backward (its clip is then the
-    handle's ``max_grad_norm``).
-    """
-    refuse_clip_in_backward(self)
-    params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-    layouts = [layout for i, p in enumerate(params)
-               if (layout := RowShard.of(p, f"parameter {i} with a gradient")) is not None]
-    total, factor, found_inf = clip_factor([local(p.grad) for p in params], max_norm, norm_type,
-                                           error_if_nonfinite, sharding.process_groups(layouts))
-    self.__dict__[_CLIP] = (factor, found_inf)
-    return total
+    over this optimizer's parameters, in one read of them: ``FusedOptimizer``'s clip
+    (:func:`clip_grad_norm`). Returns the total norm; the next ``step()`` applies torch's
+    factor as its fused ops read the gradients and takes the norm's non-finite flag as
+    its skip decision. Call it after backward (after a GradScaler's ``unscale_``), right
+    before ``step()``."""
+    record = self.__dict__[_SWAP]
+    _check_new_groups(self, record)
+    return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite,
+                          sharding.process_groups(record.layouts.values()))
 
 
 def is_swapped(optimizer: Optimizer) -> bool:
     """Whether ``optimizer``'s step runs on the fused ops (:func:`swap`)."""
-    return _SAVED in optimizer.__dict__
+    return _SWAP in optimizer.__dict__
 
 
 class _TensorSteps:
@@ -239,20 +218,32 @@ class _TensorSteps:
 
     def __init__(self, optimizer: Optimizer):
         self.optimizer = optimizer
-        self._group_step = _STEPS[type(optimizer)]
-        self._group_of: Dict[Tensor, dict] = {}
+        self._record: _Swap = optimizer.__dict__[_SWAP]
+        self._index: Dict[Tensor, Tuple[int, int]] = {}
+
+    @property
+    def nonfinite(self) -> str:
+        """The swap's policy, which the step in backward applies per tensor."""
+        return self._record.nonfinite
 
     def _tensor_steps_refused(self):
         return None
 
     def _begin_tensor_steps(self) -> None:
-        _check_groups(self.optimizer)
-        self._group_of = {p: group for group in self.optimizer.param_groups
-                          for p in group["params"]}
+        _check_new_groups(self.optimizer, self._record)
+        for gi, group in enumerate(self.optimizer.param_groups):
+            _check_options(self.optimizer, group, f"param group {gi}")
+        self._index = {p: (gi, i) for gi, group in enumerate(self.optimizer.param_groups)
+                       for i, p in enumerate(group["params"])}
 
     def _step_tensor(self, p: Tensor) -> None:
-        self._group_step(self.optimizer, self._group_of[p],
-                         self.optimizer.__dict__[_BACKEND], [p])
+        gi, i = self._index[p]
+        check_tensor_step(gi, i, p, self._record.nonfinite)
+        if p.dtype is not torch.float32:
+            _refuse_dtype(gi, i, p)
+        group = self.optimizer.param_groups[gi]
+        prepared = _prepare(self.optimizer, self._record, gi, group, [(i, p)], whole=False)
+        _apply(self.optimizer, self._record, group, [p], False, *prepared, None, None)
 
     def _end_tensor_steps(self) -> None:
         pass
@@ -265,34 +256,68 @@ def tensor_steps(optimizer: Optimizer) -> _TensorSteps:
     return _TensorSteps(optimizer)
 
 
-def _check_groups(optimizer: Optimizer, read_device: bool = False
-                  ) -> List[Tuple[int, int, Tensor]]:
-    """Raise unless every group's options and tensors are ones the swapped step honours
-    (``read_device``: a tensor lr on a GPU may be read, a sync); the tensors with
-    gradients, as (group index, index in the group, tensor)."""
-    with_grads = []
-    for i, group in enumerate(optimizer.param_groups):
-        for option in _REFUSED:
-            if group.get(option, False):
-                raise ValueError(f"swap: param group {i} sets {option}=True, which the fused "
-                                 "ops do not implement; leave the optimizer unswapped or "
-                                 f"set {option}=False")
-        _CHECKS[type(optimizer)](group, f"swap: param group {i}", read_device)
-        for j, p in enumerate(group["params"]):
-            if p.dtype != torch.float32:
-                raise ValueError(f"swap: param group {i} holds a {p.dtype} parameter; the "
-                                 "swapped step runs float32 parameters only (torch keeps "
-                                 "other dtypes' state in their own dtype)")
-            if not p.is_contiguous():
-                raise ValueError(f"swap: param group {i} holds a non-contiguous parameter; "
-                                 "the fused ops update parameters in place and need them "
-                                 "contiguous")
-            if p.grad is not None:
-                if p.grad.layout != torch.strided:
-                    raise ValueError(f"swap: param group {i} has a sparse gradient "
-                                     f"({p.grad.layout}); the fused ops take dense gradients")
-                with_grads.append((i, j, p))
-    return with_grads
+# ------------------------------------------------------------------ the step
+
+def _step(optimizer: Optimizer, record: _Swap) -> None:
+    """Check every group, decide the skip, then write: a step that raises changes nothing."""
+    _check_new_groups(optimizer, record)
+    _, with_grads, grads = check_step(optimizer.param_groups,
+                                      functools.partial(_check_options, optimizer),
+                                      record.layouts)
+    by_group: Dict[int, List[Tuple[int, Tensor]]] = defaultdict(list)
+    for gi, i, p in with_grads:
+        if p.dtype is not torch.float32:
+            _refuse_dtype(gi, i, p)
+        by_group[gi].append((i, p))
+    groups = optimizer.param_groups
+    prepared = [(groups[gi], [p for _, p in items],
+                 _prepare(optimizer, record, gi, groups[gi], items, whole=True))
+                for gi, items in by_group.items()]
+    grad_scale, found_inf = step_scales(optimizer, record.nonfinite, with_grads,
+                                        sharding.process_groups(record.layouts.values()), grads)
+    optimizer.__dict__.pop("_pending_clip", None)  # taken by this step
+    for group, params, (rules, kept) in prepared:
+        _apply(optimizer, record, group, params, True, rules, kept, grad_scale, found_inf)
+
+
+def _check_new_groups(optimizer: Optimizer, record: _Swap) -> None:
+    """The engine's checks of the parameters of the groups not checked yet (all of them at
+    the swap, a group added since then after it), with their options (a tensor lr on a
+    GPU read by value: once per group), and their DTensors' layouts kept."""
+    groups = optimizer.param_groups
+    if record.checked == len(groups):
+        return
+    existing = [(gi, i, p) for gi in range(record.checked)
+                for i, p in enumerate(groups[gi]["params"])]
+    layouts = {}
+    for gi in range(record.checked, len(groups)):
+        params = groups[gi]["params"]
+        _check_options(optimizer, groups[gi], f"param group {gi}", read_device=True)
+        for i, p in enumerate(params):
+            if isinstance(p, Tensor) and p.dtype is not torch.float32:
+                _refuse_dtype(gi, i, p)
+        layouts.update(check_new_params(params, gi, existing))
+        existing += [(gi, i, p) for i, p in enumerate(params)]
+    record.layouts.update(layouts)
+    record.checked = len(groups)
+
+
+def _check_options(optimizer: Optimizer, group: dict, where: str,
+                   read_device: bool = False) -> None:
+    """Raise unless ``group``'s options are ones the swapped step honours, valid as the
+    engine checks them (``read_device``: a tensor lr on a GPU may be read, a sync)."""
+    where = f"swap: {where}"
+    for option in _REFUSED:
+        if group.get(option, False):
+            raise ValueError(f"{where} sets {option}=True, which the fused ops do not "
+                             f"implement; leave the optimizer unswapped or set {option}=False")
+    _KINDS[type(optimizer)].check_options(group, where, read_device)
+
+
+def _refuse_dtype(gi: int, i: int, p: Tensor) -> None:
+    raise ValueError(f"swap: {param_name(gi, i, p)} is a {p.dtype} parameter; the swapped "
+                     "step runs float32 parameters only (torch keeps other dtypes' state in "
+                     "their own dtype, the fused ops keep float32 state)")
 
 
 def _check_sgd_options(group: dict, where: str, read_device: bool = False) -> None:
@@ -301,6 +326,238 @@ def _check_sgd_options(group: dict, where: str, read_device: bool = False) -> No
     for name in ("momentum", "dampening", "weight_decay"):
         check_number(group.get(name), name, where)
 
+
+class _GroupStep(NamedTuple):
+    """A group's step (of its tensors with gradients), decided before anything is written."""
+
+    key: tuple                     # what decides the rules: a kept plan serves while equal
+    assign: Callable[..., plan.Assignment]
+    state: object                  # the state the rules read and fill (plan.build's)
+    start: Callable[[], None]      # gives the tensors without state theirs (a write)
+    counted: bool                  # whether the tensors' state["step"] counts the step
+
+
+def _prepare(optimizer: Optimizer, record: _Swap, gi: int, group: dict,
+             items: List[Tuple[int, Tensor]], whole: bool
+             ) -> Tuple[_GroupStep, Optional[List[plan.Bucket]]]:
+    """A group's step of ``items`` ((index, tensor) with gradients; one tensor when not
+    ``whole``) and its kept plan, or None; raises (writing nothing) where the step cannot
+    be taken. A plan that is not kept is built from the tensors' states, which are checked
+    first, as the engine checks a loaded state (torch's loader checks no shapes)."""
+    kind = _KINDS[type(optimizer)]
+    params = [p for _, p in items]
+    rules = kind.prepare(optimizer, record, group, params)
+    kept = _kept(optimizer, record, group, params, whole, rules.key)
+    if kept is None:
+        for i, p in items:
+            state, name = optimizer.state.get(p, {}), param_name(gi, i, p)
+            kind.check_state(state, p, name)
+            _check_placement(state, p, name)
+    return rules, kept
+
+
+def _check_placement(state: dict, p: Tensor, name: str) -> None:
+    """The state tensors on their parameter's device, contiguous, as the ops take them
+    (torch's loader moves them to the device but keeps their strides)."""
+    for key, value in state.items():
+        if key != "step" and isinstance(value, Tensor):
+            block = local(value)
+            if block.device != local(p).device or not block.is_contiguous():
+                raise ValueError(f"state of param {name}: {key} is not a contiguous tensor on "
+                                 f"its parameter's device ({local(p).device}); the fused ops "
+                                 "update it in place there")
+
+
+def _apply(optimizer: Optimizer, record: _Swap, group: dict, params: List[Tensor],
+           whole: bool, rules: _GroupStep, kept: Optional[List[plan.Bucket]],
+           grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    """The writes of a group's step (:func:`_prepare` checked them): state, plan, op calls
+    and step counts; the plan is kept for the next step."""
+    rules.start()
+    buckets = kept
+    if buckets is None:
+        def lr(gi: int, g: dict):
+            return g["lr"]
+
+        if whole:
+            buckets = plan.build([group], rules.state, rules.assign, lr, record.layouts)
+        else:
+            # A step in backward's tensor (never a DTensor there): its own call.
+            buckets = [plan.single(0, group, 0, params[0], rules.state, rules.assign, lr)]
+    counters = by_device([optimizer.state[p]["step"] for p in params]) if rules.counted else {}
+    count_steps(counters)
+    _run(group, buckets, record.backend, grad_scale, found_inf)
+    uncount_skipped(counters, found_inf)
+    _keep(optimizer, record, group, params, whole, rules.key, buckets)
+
+
+def _run(group: dict, buckets: List[plan.Bucket], backend: str, grad_scale: Optional[Tensor],
+         found_inf: Optional[Tensor]) -> None:
+    """The group's op calls (plan.run), with the step's GradScaler and skip tensors."""
+    # The calls take a tensor lr (a float one, what LR schedulers set, as the engine's).
+    lr = group["lr"]
+    lr = lr if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+    for bucket in buckets:
+        # DTensor parameters (FSDP2) keep torch's state, DTensors like them, which
+        # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
+        # local blocks of all of them.
+        device = bucket.params[0].device
+        bucket.lr = lr
+        plan.run(bucket, [local(p.grad) for p in bucket.params], backend,
+                 on_device(grad_scale, device), on_device(found_inf, device))
+
+
+# ------------------------------------------------------------------ Adam(W)
+
+def _capturing() -> bool:
+    """Whether a CUDA graph capture is under way on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _step_device(optimizer: Optimizer, group: dict, p: Tensor) -> torch.device:
+    """Where ``p``'s ``state["step"]`` lives, or will when its state is made (_new_step)."""
+    step = optimizer.state.get(p, {}).get("step")
+    if step is not None:
+        return step.device
+    return p.device if group.get("fused") else torch.device("cpu")
+
+
+def _new_step(group: dict, p: Tensor) -> Tensor:
+    """``state["step"]`` as torch creates it for this group."""
+    if group.get("fused"):
+        return torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=True), device=p.device)
+    return torch.tensor(0.0, dtype=_get_scalar_dtype())
+
+
+def _adam(optimizer: Optimizer, record: _Swap, group: dict, params: List[Tensor]) -> _GroupStep:
+    if _capturing() and any(_step_device(optimizer, group, p).type == "cpu" for p in params):
+        # The kernels read a host step count when they are launched: a captured step
+        # would replay with the bias correction of the step it was captured at.
+        raise RuntimeError(
+            f"{type(optimizer).__name__} keeps its step counts on the host, which a CUDA "
+            "graph capture would freeze at their value now; build it with fused=True (its "
+            "counts live on the GPU) to capture its swapped step, as torch asks of its own "
+            "AdamW")
+    coupled = not (type(optimizer) is torch.optim.AdamW
+                   or group.get("decoupled_weight_decay", False))
+    int8 = bool(record.int8_hooks)
+
+    def start() -> None:
+        for p in params:
+            state = optimizer.state[p]
+            if len(state) == 0:
+                if int8 and plan.stores_int8({"state_dtype": "int8"}, p):
+                    plan.ensure_moments(state, p.shape, p.device, int8=True)
+                state["step"] = _new_step(group, p)
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p,
+                                                           memory_format=torch.preserve_format)
+
+    def assign(gi: int, g: dict, i: int, p: Tensor) -> plan.Assignment:
+        # fp32 or 8-bit moments (state_dtype="int8"): each tensor's own.
+        rule = plan.adamw_assignment(optimizer.state[p])
+        return dataclasses.replace(rule, coupled=True) if coupled else rule
+
+    return _GroupStep((coupled,), assign, optimizer.state, start, True)
+
+
+def _check_adam_state(state: dict, p: Tensor, name: str) -> None:
+    if state:
+        # The engine's family of AdamW state over every coordinate: a torch Adam's.
+        check_saved_state(state, p, name, DENSE)
+
+
+# ------------------------------------------------------------------ SGD
+
+def _sgd(optimizer: Optimizer, record: _Swap, group: dict, params: List[Tensor]
+         ) -> _GroupStep:
+    momentum = float(group["momentum"]) != 0
+    # A param without a buffer starts it from its gradient: its own call.
+    first = {p for p in params
+             if momentum and optimizer.state.get(p, {}).get("momentum_buffer") is None}
+
+    def start() -> None:
+        for p in first:
+            # Zeros rather than empty: a first step that found_inf skips leaves the
+            # buffer as it is, and the next step takes it as started (from zero).
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(
+                p, memory_format=torch.contiguous_format)
+
+    def assign(gi: int, g: dict, i: int, p: Tensor) -> plan.Assignment:
+        return plan.SGD_FIRST if p in first else plan.SGD
+
+    # torch keeps no state without momentum: the plan's state entries are thrown away.
+    state = optimizer.state if momentum else defaultdict(dict)
+    return _GroupStep((momentum, bool(first)), assign, state, start, False)
+
+
+def _check_sgd_state(state: dict, p: Tensor, name: str) -> None:
+    buffer = state.get("momentum_buffer")
+    if buffer is not None and not (isinstance(buffer, Tensor) and buffer.dtype == torch.float32
+                                   and tuple(buffer.shape) == tuple(p.shape)):
+        got = (f"{buffer.dtype} of shape {tuple(buffer.shape)}" if isinstance(buffer, Tensor)
+               else f"a {type(buffer).__name__}")
+        raise ValueError(f"state of param {name}: momentum_buffer is {got}; a parameter of "
+                         f"shape {tuple(p.shape)} takes a float32 buffer of its shape")
+
+
+# ------------------------------------------------------------------ kept plans
+
+def _kept(optimizer: Optimizer, record: _Swap, group: dict, params: List[Tensor], whole: bool,
+          key: tuple) -> Optional[List[plan.Bucket]]:
+    """The plan kept (:func:`_keep`) for these tensors of ``group`` (not ``whole``: the one
+    tensor a step in backward updates), or None where it must be built again.
+
+    Building it (:func:`plan.build`: one call per rule, device and step count, params added
+    later counting their own steps) reads every ``state["step"]`` (a host sync each for a
+    fused group's device counts), so it is reused while the group (the tensor) steps the
+    same tensors with the same state tensors and ``key`` (what decides the rules), none of
+    the state written since (their version counters as the last step left them): every
+    step adds the same to all the counts, so equal counts stay equal. A count reset in
+    place (``state["step"].zero_()``, as some loops do on restarts) moves its version, and
+    the group is bucketed again by the counts it holds now. A kept plan's calls go around
+    the checks (plan.run)."""
+    kept = record.plans.get(_where(group, params, whole))
+    if kept is None or kept[0] != key or kept[1] is None:
+        return None
+    held = [*params, *_state_tensors(optimizer, params)]
+    if len(kept[2]) == len(held) and all(a is b for a, b in zip(kept[2], held)) and \
+            kept[1] == _versions(held[len(params):]):
+        return kept[3]
+    return None
+
+
+def _keep(optimizer: Optimizer, record: _Swap, group: dict, params: List[Tensor], whole: bool,
+          key: tuple, buckets: List[plan.Bucket]) -> None:
+    """Keep a plan once its step is done. The tensors are held, so that none of them is
+    freed and another made at its address (the check is by identity)."""
+    states = _state_tensors(optimizer, params)
+    record.plans[_where(group, params, whole)] = (key, _versions(states), [*params, *states],
+                                                  buckets)
+
+
+def _where(group: dict, params: List[Tensor], whole: bool) -> int:
+    """Where a plan is kept: by its group, or by its one tensor (a step in backward's)."""
+    return id(group) if whole else id(params[0])
+
+
+def _state_tensors(optimizer: Optimizer, params: List[Tensor]) -> List[Tensor]:
+    """The state tensors of ``params`` (none without momentum: no state entry made)."""
+    return [v for p in params for v in optimizer.state.get(p, {}).values()
+            if isinstance(v, Tensor)]
+
+
+def _versions(tensors: List[Tensor]) -> Optional[Tuple[int, ...]]:
+    """The version counters of ``tensors`` (bumped by every in-place write), or None where
+    one has none (a tensor made under ``torch.inference_mode``: never reused then)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:
+        return None
+
+
+# ------------------------------------------------------------------ 8-bit state
 
 def _check_state_dtype(optimizer: Optimizer, state_dtype: str) -> None:
     if state_dtype not in STATE_DTYPES:
@@ -318,10 +575,6 @@ def _check_state_dtype(optimizer: Optimizer, state_dtype: str) -> None:
     if any(len(st) for st in optimizer.state.values()):
         raise ValueError("swap: state_dtype='int8' starts from an optimizer without state "
                          "(its moments would be fp32); swap it before its first step")
-
-
-def _int8(optimizer: Optimizer) -> bool:
-    return _INT8_HOOKS in optimizer.__dict__
 
 
 def _record_state_dtype(optimizer: Optimizer, state_dict: dict) -> dict:
@@ -358,179 +611,18 @@ def _dequantize_state(optimizer: Optimizer) -> None:
                                                          key == "exp_avg_sq")
 
 
-def _with_grads(group: dict, params: Optional[List[Tensor]] = None) -> List[Tensor]:
-    """The group's tensors with gradients (of ``params`` only, when given)."""
-    return [p for p in (group["params"] if params is None else params) if p.grad is not None]
+class _Kind(NamedTuple):
+    """What differs between the torch optimizers swap takes."""
+
+    check_options: Callable[..., None]   # (group, where, read_device)
+    prepare: Callable[..., _GroupStep]   # (optimizer, record, group, params with gradients)
+    check_state: Callable[..., None]     # (a tensor's state, the tensor, its name)
 
 
-# ------------------------------------------------------------------ Adam(W)
-
-def _capturing() -> bool:
-    """Whether a CUDA graph capture is under way on the current stream."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _new_step(group: dict, p: Tensor) -> Tensor:
-    """``state["step"]`` as torch creates it for this group."""
-    if group.get("fused"):
-        return torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=True), device=p.device)
-    return torch.tensor(0.0, dtype=_get_scalar_dtype())
-
-
-def _adam_group(optimizer: Optimizer, group: dict, backend: str,
-                params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
-    with_grads = _with_grads(group, params)
-    if not with_grads:
-        return
-    for p in with_grads:
-        state = optimizer.state[p]
-        if len(state) == 0:
-            if _int8(optimizer) and plan.stores_int8({"state_dtype": "int8"}, p):
-                plan.ensure_moments(state, p.shape, p.device, int8=True)
-            state["step"] = _new_step(group, p)
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    steps = [optimizer.state[p]["step"] for p in with_grads]
-    if _capturing() and any(step.device.type == "cpu" for step in steps):
-        # The kernels read a host step count when they are launched: a captured step
-        # would replay with the bias correction of the step it was captured at.
-        raise RuntimeError(
-            f"{type(optimizer).__name__} keeps its step counts on the host, which a CUDA graph "
-            "capture would freeze at their value now; build it with fused=True (its counts "
-            "live on the GPU) to capture its swapped step, as torch asks of its own AdamW")
-    coupled = not (type(optimizer) is torch.optim.AdamW
-                   or group.get("decoupled_weight_decay", False))
-
-    def assign(gi: int, g: dict, i: int, p: Tensor) -> plan.Assignment:
-        # fp32 or 8-bit moments (state_dtype="int8"): each tensor's own.
-        rule = plan.adamw_assignment(optimizer.state[p])
-        return dataclasses.replace(rule, coupled=True) if coupled else rule
-
-    buckets = _group_plan(optimizer, group, with_grads, params is None, coupled, assign,
-                          optimizer.state)
-    counters = by_device(steps)
-    count_steps(counters)
-    _run(group, buckets, backend, amp)
-    uncount_skipped(counters, (amp or {}).get("found_inf"))
-    _keep(optimizer, group, with_grads, params is None, coupled, buckets)
-
-
-def _sgd_group(optimizer: Optimizer, group: dict, backend: str,
-               params: Optional[List[Tensor]] = None, amp: Optional[dict] = None) -> None:
-    with_grads = _with_grads(group, params)
-    if not with_grads:
-        return
-    momentum = float(group["momentum"]) != 0
-    # A param without a buffer starts it from its gradient: its own call.
-    first = set()
-    for p in with_grads:
-        state = optimizer.state[p] if momentum else None
-        if momentum and state.get("momentum_buffer") is None:
-            first.add(p)
-            # Zeros rather than empty: a first step that found_inf skips leaves the
-            # buffer as it is, and the next step takes it as started (from zero).
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-
-    def assign(gi: int, g: dict, i: int, p: Tensor) -> plan.Assignment:
-        return plan.SGD_FIRST if p in first else plan.SGD
-
-    # torch keeps no state without momentum: the plan's state entries are thrown away.
-    state = optimizer.state if momentum else defaultdict(dict)
-    key = (momentum, bool(first))
-    buckets = _group_plan(optimizer, group, with_grads, params is None, key, assign, state)
-    _run(group, buckets, backend, amp)
-    _keep(optimizer, group, with_grads, params is None, key, buckets)
-
-
-def _run(group: dict, buckets: List[plan.Bucket], backend: str, amp: Optional[dict]) -> None:
-    """The group's op calls (plan.run), with the step's GradScaler and skip tensors."""
-    grad_scale, found_inf = (amp or {}).get("grad_scale"), (amp or {}).get("found_inf")
-    # The calls take a tensor lr (a float one, what LR schedulers set, as the engine's).
-    lr = group["lr"]
-    lr = lr if isinstance(lr, Tensor) else torch.tensor(float(lr), dtype=torch.float64)
-    for bucket in buckets:
-        # DTensor parameters (FSDP2) keep torch's state, DTensors like them, which
-        # torch.distributed.checkpoint saves as it saves AdamW's; the ops take the
-        # local blocks of all of them.
-        device = bucket.params[0].device
-        bucket.lr = lr
-        plan.run(bucket, [local(p.grad) for p in bucket.params], backend,
-                 on_device(grad_scale, device), on_device(found_inf, device))
-
-
-def _group_plan(optimizer: Optimizer, group: dict, with_grads: List[Tensor], whole: bool,
-                key, assign: Callable[..., plan.Assignment], state) -> List[plan.Bucket]:
-    """``with_grads`` bucketed into op calls by the engine's plan (:func:`plan.build`: one
-    per rule, device and step count, params added later counting their own steps; not
-    ``whole``: the one tensor a step in backward updates, :func:`plan.single`), each
-    tensor's rule given by ``assign``. Building it reads every ``state["step"]`` (a host
-    sync each for a fused group's device counts), so the plan is kept (:func:`_keep`) and
-    reused while the group (the tensor) steps the same tensors with the same state
-    tensors and ``key`` (what decides the rules), none of the state written since (their
-    version counters as the last step left them): every step adds the same to all the
-    counts, so equal counts stay equal. A count reset in place (``state["step"].zero_()``,
-    as some loops do on restarts) moves its version, and the group is bucketed again by
-    the counts it holds now. A kept plan's calls go around the checks (plan.run)."""
-    kept = optimizer.__dict__.get(_CALLS, {}).get(_where(group, with_grads, whole))
-    if kept is not None and kept[0] == key and kept[1] is not None:
-        held = [*with_grads, *_state_tensors(optimizer, with_grads)]
-        if len(kept[2]) == len(held) and all(a is b for a, b in zip(kept[2], held)) and \
-                kept[1] == _versions(held[len(with_grads):]):
-            return kept[3]
-
-    def lr(gi: int, g: dict):
-        return g["lr"]
-
-    if not whole:
-        # A step in backward's tensor (never a DTensor there): its own call.
-        return [plan.single(0, group, 0, with_grads[0], state, assign, lr)]
-    layouts = {p: RowShard.of(p, f"a parameter of shape {tuple(p.shape)}")
-               for p in with_grads if is_sharded(p)}
-    return plan.build([group], state, assign, lr, layouts)
-
-
-def _keep(optimizer: Optimizer, group: dict, with_grads: List[Tensor], whole: bool, key,
-          buckets: List[plan.Bucket]) -> None:
-    """Keep a plan once its step is done (one that raised halfway keeps nothing, and the
-    next builds afresh). The tensors are held, so that none of them is freed and another
-    made at its address (the check is by identity)."""
-    states = _state_tensors(optimizer, with_grads)
-    optimizer.__dict__.setdefault(_CALLS, {})[_where(group, with_grads, whole)] = (
-        key, _versions(states), [*with_grads, *states], buckets)
-
-
-def _where(group: dict, with_grads: List[Tensor], whole: bool) -> int:
-    """Where a plan is kept: by its group, or by its one tensor (a step in backward's)."""
-    return id(group) if whole else id(with_grads[0])
-
-
-def _state_tensors(optimizer: Optimizer, with_grads: List[Tensor]) -> List[Tensor]:
-    """The state tensors of ``with_grads`` (none without momentum: no state entry made)."""
-    return [v for p in with_grads for v in optimizer.state.get(p, {}).values()
-            if isinstance(v, Tensor)]
-
-
-def _versions(tensors: List[Tensor]) -> Optional[Tuple[int, ...]]:
-    """The version counters of ``tensors`` (bumped by every in-place write), or None where
-    one has none (a tensor made under ``torch.inference_mode``: never reused then)."""
-    try:
-        return tuple(t._version for t in tensors)
-    except RuntimeError:
-        return None
-
-
-# What each checks of a param group's options (group, where, read_device).
-_CHECKS: Dict[type, Callable[..., None]] = {
-    torch.optim.AdamW: check_adamw_options,
-    torch.optim.Adam: check_adamw_options,
-    torch.optim.SGD: _check_sgd_options,
-}
-# Each steps one param group (only ``params`` of it, when given).
-_STEPS: Dict[type, Callable[..., None]] = {
-    torch.optim.AdamW: _adam_group,
-    torch.optim.Adam: _adam_group,
-    torch.optim.SGD: _sgd_group,
+_KINDS: Dict[type, _Kind] = {
+    torch.optim.AdamW: _Kind(check_adamw_options, _adam, _check_adam_state),
+    torch.optim.Adam: _Kind(check_adamw_options, _adam, _check_adam_state),
+    torch.optim.SGD: _Kind(_check_sgd_options, _sgd, _check_sgd_state),
 }
 # The torch optimizers swap takes.
-SWAPPABLE = tuple(_STEPS)
+SWAPPABLE = tuple(_KINDS)

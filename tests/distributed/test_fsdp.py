@@ -35,8 +35,9 @@ BATCH = 8  # global; each of the two ranks takes half
 # The first rank's is the last layer's whole weight: the second rank's block is empty.
 CONFIGS = [f"FRUGAL-{p}" for p in PROJECTIONS] + ["AdaFRUGAL-rows", "AdaFRUGAL-svd", "BAdam",
                                                    "BAdam-frugal"]
-# Those stepped once more with a NaN on one rank (nonfinite="skip", the default).
-SKIP_CONFIGS = ["FRUGAL-columns", "FRUGAL-svd", "BAdam"]
+# Those stepped once more with a NaN on one rank (nonfinite="skip", the default), and a
+# torch AdamW swapped onto the fused ops (swap's default is the same).
+SKIP_CONFIGS = ["FRUGAL-columns", "FRUGAL-svd", "BAdam", "swap-AdamW"]
 
 
 class Net(nn.Module):
@@ -207,7 +208,8 @@ def _rank(rank, world, port, out):
     results["one_rank_nan"] = {}
     for name in SKIP_CONFIGS:
         model = shard(Net(), mesh)
-        opt = optimizer(name, model)
+        opt = (fk.swap(torch.optim.AdamW(model.parameters(), lr=1e-2)) if name == "swap-AdamW"
+               else optimizer(name, model))
         train(model, opt, 0, 1, rank, world)  # the moments exist
         x, y = batches()[1]
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -248,7 +250,8 @@ def _local_tensors(model, opt):
     """This rank's blocks of the params and every tensor of the optimizer's state (the
     step counts too), cloned."""
     out = [p.to_local().clone() for p in model.parameters()]
-    return out + [v.clone() for st in opt.state.values() for v in st.values()
+    return out + [(v.to_local() if isinstance(v, torch.distributed.tensor.DTensor) else v).clone()
+                  for st in opt.state.values() for v in st.values()
                   if isinstance(v, torch.Tensor)]
 
 

@@ -421,15 +421,42 @@ def test_the_default_skips_each_non_finite_tensor_and_goes_on(name):
     assert all(torch.isfinite(v).all() for v in values(params))
 
 
-def test_a_swapped_torch_optimizer_propagates_as_torch_does():
+def test_a_swapped_torch_optimizer_propagates_as_torch_does_under_propagate():
     _, params = _grouped(0)
-    opt = fk.swap(torch.optim.AdamW(params, lr=1e-2))
+    opt = fk.swap(torch.optim.AdamW(params, lr=1e-2), nonfinite="propagate")
     handle = fk.step_in_backward(opt)
     assert not handle.skips_per_tensor
     grads = grad_sequence(params, 1)[0]
     _nan_at(grads, 0)
     _backward(params, grads)
     assert torch.isnan(params[0]).any() and handle.nonfinite_skips == 0
+
+
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_swapped_torch_optimizer_follows_its_nonfinite_policy(kind):
+    """swap's nonfinite= is the engine's: by default ("skip") the tensor with a NaN keeps its
+    param and state and the others step; under "raise" backward raises naming it."""
+    _, params = _grouped(0)
+    opt = fk.swap(kind(params, lr=1e-2, momentum=0.9) if kind is torch.optim.SGD
+                  else kind(params, lr=1e-2))
+    handle = fk.step_in_backward(opt)
+    assert handle.skips_per_tensor
+    grads = grad_sequence(params, 1)[0]
+    _nan_at(grads, 1)
+    before = [p.detach().clone() for p in params]
+    _backward(params, grads)
+    assert handle.nonfinite_skips == 1 and torch.equal(params[1], before[1])
+    assert not opt.state[params[1]] and all(torch.isfinite(p).all() for p in params)
+    assert not torch.equal(params[0], before[0])
+    handle.remove()
+
+    _, params = _grouped(0)
+    opt = fk.swap(kind(params, lr=1e-2), nonfinite="raise")
+    fk.step_in_backward(opt)
+    grads = grad_sequence(params, 1)[0]
+    _nan_at(grads, 0)
+    with pytest.raises(ValueError, match=r"params\[0\] of param group 0 .* non-finite"):
+        _backward(params, grads)
 
 
 def test_clip_grad_norm_after_a_step_in_backward_is_refused():

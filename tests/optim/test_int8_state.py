@@ -211,6 +211,24 @@ def test_swapped_adamw_int8_steps_as_frugal_int8():
     assert opt.state[params[4]]["exp_avg"].dtype == torch.float32  # 1-D
 
 
+def test_from_optimizer_of_an_int8_swapped_adamw_carries_the_moments_its_codes_stand_for():
+    """FRUGAL.from_optimizer over a swap with state_dtype="int8" carries the moments the
+    codes stand for, as swap(undo=True) hands them to torch; it used to carry the codes
+    themselves as fp32 moments (seen: an exp_avg of 114 where the moment was about 1e-4)."""
+    params, twin = make_params(), make_params()
+    grads = grad_sequence(params, 4)
+    opt, undone = swapped_adamw(params), swapped_adamw(twin)
+    run(opt, params, grads[:3])
+    run(undone, twin, grads[:3])
+    fk.swap(undone, undo=True)
+    news = [fk.FRUGAL.from_optimizer(o, density=1.0, projection="rows") for o in (opt, undone)]
+    for new, ps in zip(news, (params, twin)):
+        run(new, ps, grads[3:])
+    for a, b in zip(params, twin):
+        assert torch.equal(a, b)
+        assert torch.equal(news[0].state[a]["exp_avg"], news[1].state[b]["exp_avg"])
+
+
 def test_swapped_int8_state_dict_resumes_exactly_and_refuses_fp32():
     params = make_params()
     grads = grad_sequence(params, 8)

@@ -318,7 +318,8 @@ def test_unsupported_optimizers_and_params_raise():
         swap(MyAdamW(params))
     with pytest.raises(ValueError, match="torch.bfloat16 parameter"):
         swap(torch.optim.SGD([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)], lr=0.1))
-    with pytest.raises(ValueError, match="non-contiguous"):
+    # The engine's refusal (FusedOptimizer's, the same message).
+    with pytest.raises(ValueError, match="params\\[0\\] of param group 0 .* is not contiguous"):
         swap(torch.optim.SGD([torch.zeros(3, 4).t().requires_grad_()], lr=0.1))
     embedding = torch.nn.Embedding(10, 4, sparse=True)
     opt = swap(torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9))
@@ -493,3 +494,117 @@ def test_adams_coupled_decay_on_int8_moments_is_the_decay_added_to_the_gradient(
     for p, q in zip(params, twins):
         for key, value in opt.state[p].items():
             assert torch.equal(value, manual.state[q][key]), key
+
+
+def _snapshot(opt, params):
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()["state"])
+
+
+def _assert_unchanged(opt, params, snapshot):
+    before, state = snapshot
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    after = opt.state_dict()["state"]
+    assert after.keys() == state.keys()
+    for key, entries in state.items():
+        assert after[key].keys() == entries.keys()
+        for entry, value in entries.items():
+            assert torch.equal(after[key][entry], value), (key, entry)
+
+
+def _grad_of_another_dtype(opt, params):
+    params[4].grad_dtype = None  # torch then takes a gradient of any dtype
+    params[4].grad = params[4].grad.bfloat16()
+
+
+def _state_of_another_shape(opt, params):
+    state = opt.state_dict()
+    key = "momentum_buffer" if isinstance(opt, torch.optim.SGD) else "exp_avg"
+    state["state"][4][key] = torch.zeros(7)
+    opt.load_state_dict(state)  # torch's loader checks no shapes
+
+
+def _state_not_contiguous(opt, params):
+    state = opt.state_dict()
+    key = "momentum_buffer" if isinstance(opt, torch.optim.SGD) else "exp_avg"
+    state["state"][4][key] = torch.zeros(3, 128).t()
+    opt.load_state_dict(state)  # torch's loader keeps the strides
+
+
+def _group_sharing_memory(opt, params):
+    opt.add_param_group(dict(params=[params[0].detach()[1:3].requires_grad_()]))
+    opt.param_groups[-1]["params"][0].grad = torch.ones(2, 9)
+
+
+def _nonfinite(opt, params):
+    params[4].grad.view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam-l2", "sgd-momentum"])
+@pytest.mark.parametrize("case, error", [
+    (_grad_of_another_dtype, r"params\[0\] of param group 2 .* gradient of dtype torch.bfloat16"),
+    (_state_of_another_shape, r"state of param params\[0\] of param group 2 .*"),
+    (_state_not_contiguous, r"state of param params\[0\] of param group 2 .* not a "
+                            r"contiguous tensor"),
+    (_group_sharing_memory, r"params\[0\] of param group 3 .* shares memory with params\[0\] "
+                            r"of param group 0"),
+    (_nonfinite, r"params\[0\] of param group 2 .* non-finite gradient"),
+], ids=["grad dtype", "state shape", "state strides", "shared memory", "nonfinite raise"])
+def test_a_step_that_raises_in_a_later_group_changes_no_group(name, case, error):
+    """The engine's atomic step: every group is checked before any op call, so a step that
+    raises for the last group leaves the first ones as they were (params, moments, step
+    counts). Swapped steps used to update the groups before it, then raise."""
+    params = make_params()
+    opt = swap(make_optimizer(name, params), **({"nonfinite": "raise"} if case is _nonfinite
+                                                 else {}))
+    run(opt, params, 2)
+    set_grads(params, 2)
+    case(opt, params)
+    snapshot = _snapshot(opt, params)
+    with pytest.raises(ValueError, match=error):
+        opt.step()
+    _assert_unchanged(opt, params, snapshot)
+
+
+def test_a_bad_backend_or_policy_is_refused_at_the_swap():
+    params = make_params()
+    opt = torch.optim.AdamW(params)
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        swap(opt, backend="cuda-ish")
+    with pytest.raises(ValueError, match="nonfinite must be one of skip, raise, propagate"):
+        swap(opt, nonfinite="ignore")
+    assert not frugal_kernels.optim.swap.is_swapped(opt)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_nonfinite_gradient_skips_the_step_by_default(name, value):
+    """swap's nonfinite= is the package's (default "skip"): params, state and step counts
+    stay as they were, and the next step goes on from them as torch's would."""
+    ref_params, params = make_params(), make_params()
+    ref, opt = make_optimizer(name, ref_params), swap(make_optimizer(name, params))
+    run(ref, ref_params, 3)
+    run(opt, params, 3)
+    set_grads(params, 3)
+    params[2].grad.view(-1)[1] = value
+    snapshot = _snapshot(opt, params)
+    opt.step()
+    _assert_unchanged(opt, params, snapshot)
+    run(ref, ref_params, 3, first=4)
+    run(opt, params, 3, first=4)
+    assert_same(params, ref_params)
+    assert_same_state(opt, ref)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_nonfinite_propagate_is_torchs_step(name):
+    ref_params, params = make_params(), make_params()
+    ref = make_optimizer(name, ref_params)
+    opt = swap(make_optimizer(name, params), nonfinite="propagate")
+    for o, ps in ((ref, ref_params), (opt, params)):
+        run(o, ps, 2)
+        set_grads(ps, 2)
+        ps[2].grad.view(-1)[1] = float("nan")
+        o.step()
+    assert torch.isnan(params[2]).any()
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0, equal_nan=True)
