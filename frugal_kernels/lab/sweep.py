@@ -220,8 +220,8 @@ def best_settings(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def table(metrics: dict[str, Any]) -> str:
     """The sweep as markdown: per optimizer, one line per matrix lr ratio with the mean loss at
-    every lr (the seeds' range in parentheses, the best setting in bold), and on its first
-    line the best setting and the spread there."""
+    every lr (the seeds' range in parentheses, with two seeds or more; the best setting in
+    bold), and on its first line the best setting and the spread there."""
     settings = metrics["settings"]
     cells = _cells(metrics["runs"])
     header = ["optimizer", "matrices", *(f"lr {lr:g}" for lr in settings["lrs"]),
@@ -237,7 +237,9 @@ def table(metrics: dict[str, Any]) -> str:
                 if losses is None:
                     row.append("–")
                     continue
-                text = f"{statistics.fmean(losses):.4f} ({max(losses) - min(losses):.4f})"
+                text = f"{statistics.fmean(losses):.4f}"
+                if len(losses) > 1:  # one seed has no range (not one of 0)
+                    text += f" ({max(losses) - min(losses):.4f})"
                 if chosen and (chosen["lr"], chosen["matrix_lr_ratio"]) == (lr, ratio):
                     text = f"**{text}**"
                 row.append(text)
@@ -255,8 +257,10 @@ def table(metrics: dict[str, Any]) -> str:
     task = settings.get("task", "pretrain")
     what = (f"fine-tuning the base of {settings['base']['steps']} steps" if task == "finetune"
             else "pretraining")
-    lines.append(f"\nMean final validation loss over seeds {', '.join(map(str, settings['seeds']))} "
-                 f"(their range in parentheses), the matrices' lr as a multiple of the lr; "
+    seeds = settings["seeds"]
+    lines.append(f"\nMean final validation loss over seeds {', '.join(map(str, seeds))}"
+                 + (" (their range in parentheses)" if len(seeds) > 1 else "")
+                 + "; matrices: their lr as a multiple of the lr; "
                  f"{what}, {c['model']} model, {c['steps']} steps of "
                  f"{c['batch_size']}x{c['seq_len']} bytes, {c['schedule']} schedule; "
                  f"{metrics['wall_time']:.0f} s in all.")
