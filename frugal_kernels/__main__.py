@@ -239,17 +239,21 @@ def _finetune(args: argparse.Namespace) -> int:
         raise CommandLineError(f"{', '.join(not_rows)}: not a row of --task finetune (its "
                                f"rows: {', '.join(finetune.ROWS)})")
     config = _train_config(args, finetune.DEFAULTS)
+    # --lr or --matrix-lr-ratio: every row at the given lrs; else each at its tuned ones.
+    tuned = args.lr is None and args.matrix_lr_ratio is None
     print(f"frugal-kernels demo --task finetune: the {config.model} model pretrained for "
           f"{args.base_steps} steps on the standard library without its tests (cached under "
           f"{args.base_cache}), then fine-tuned for {config.steps} steps of "
           f"{config.batch_size}x{config.seq_len} tokens on "
-          f"{config.data or 'its test modules'}, on {config.device}, every row at lr "
-          f"{config.lr:g} (matrices x{config.matrix_lr_ratio:g})")
+          f"{config.data or 'its test modules'}, on {config.device}, "
+          + ("each row at its tuned lrs for the task (tuned.json), else at " if tuned
+             else "every row at ")
+          + f"lr {config.lr:g} (matrices x{config.matrix_lr_ratio:g})")
     out = _out(args, "demo")
     metrics = finetune.run_finetune(config, args.optimizers or finetune.DEFAULT_RUNS,
                                     out=out, progress=_progress(args),
                                     base_steps=args.base_steps, cache=args.base_cache,
-                                    rebuild_base=args.rebuild_base)
+                                    rebuild_base=args.rebuild_base, tuned=tuned)
     print()
     print(finetune.table(metrics))
     print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
@@ -336,10 +340,9 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
     if parallel is not None and config.batch_size % dist.get_world_size():
         raise CommandLineError(f"--batch-size {config.batch_size} (the global batch) does not "
                                f"split over {dist.get_world_size()} ranks")
-    # The demo's tuned lrs, if any (fine-tuning runs at the task's one lr: not swept yet).
-    if resume is None and task == "pretrain" and args.lr is None \
-            and args.matrix_lr_ratio is None:
-        config = demo.run_config(config, args.optimizer)
+    # The row's tuned lrs for the task, if any.
+    if resume is None and args.lr is None and args.matrix_lr_ratio is None:
+        config = demo.run_config(config, args.optimizer, rows=rows, task=task)
     if resume is None and args.optimizer in demo.OPTIMIZERS:
         config = demo.row_config(config, args.optimizer)  # a +select row selects
     out = None
@@ -444,22 +447,33 @@ def _resume(args: argparse.Namespace, parallel: Optional[str]):
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from frugal_kernels.lab import demo, sweep
+    from frugal_kernels.lab import demo, finetune, sweep
 
-    config = _train_config(args, demo.DEFAULTS)
+    finetuning = args.task == "finetune"
+    rows = sweep.rows_of(args.task)
+    names = args.optimizers or sweep.default_rows(args.task)
+    not_rows = [n for n in names if n not in rows]
+    if not_rows:
+        raise CommandLineError(f"{', '.join(not_rows)}: not a row of --task {args.task} (its "
+                               f"rows: {', '.join(rows)})")
+    config = _train_config(args, finetune.DEFAULTS if finetuning else demo.DEFAULTS)
     if args.write_tuned is not None:
         _check_tuned_path(args.write_tuned)
     out = _out(args, "sweep")
-    data = _load_data(config)
-    print(f"frugal-kernels sweep: the {config.model} model, {config.steps} steps of "
-          f"{config.batch_size}x{config.seq_len} tokens, on {config.device}: "
-          f"{len(args.lrs)} lrs x {len(args.matrix_lr_ratios)} matrix lr ratios x "
-          f"{len(args.seeds)} seeds for each of {', '.join(args.optimizers)}")
+    data = None if finetuning else _load_data(config)
+    print(f"frugal-kernels sweep --task {args.task}: the {config.model} model"
+          + (f" pretrained for {args.base_steps} steps (cached under {args.base_cache}), "
+             f"fine-tuned on {config.data or 'the test modules'}" if finetuning else "")
+          + f", {config.steps} steps of {config.batch_size}x{config.seq_len} tokens, on "
+          f"{config.device}: {len(args.lrs)} lrs x {len(args.matrix_lr_ratios)} matrix lr "
+          f"ratios x {len(args.seeds)} seeds for each of {', '.join(names)}")
     try:
-        result = sweep.run_sweep(config, args.optimizers, args.lrs, args.matrix_lr_ratios,
-                                 args.seeds, out=out, progress=_progress(args),
-                                 tuned=args.write_tuned, data=data, overwrite=True)
-    except ValueError as exc:  # a governed run named
+        result = sweep.run_sweep(config, names, args.lrs, args.matrix_lr_ratios, args.seeds,
+                                 out=out, progress=_progress(args), tuned=args.write_tuned,
+                                 data=data, overwrite=True, task=args.task,
+                                 base_steps=args.base_steps, cache=args.base_cache,
+                                 rebuild_base=args.rebuild_base)
+    except (ValueError, OSError) as exc:  # a governed run named, fine-tuning data refused
         raise CommandLineError(str(exc)) from None
     print()
     print(sweep.table(result))
@@ -619,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--task", choices=["pretrain", "finetune"],
         help="pretrain (default): train a fresh model; finetune: fine-tune the base of demo "
              "--task finetune (pretrained once and cached under --base-cache) on the "
-             "standard library's test modules or on --data, at lr 1e-3 unless --lr")
+             "standard library's test modules or on --data, at the row's tuned lrs for the task "
+             "(tuned.json) where a fine-tuning sweep recorded them, else lr 1e-3")
     train_parser.add_argument("--base-steps", type=_positive_int,
                               help=f"--task finetune: steps of the base's pretraining "
                                    f"(default: {finetune.BASE_STEPS})")
@@ -663,30 +678,59 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.set_defaults(func=_train)
 
     sweep_parser = sub.add_parser(
-        "sweep", help="train the demo's runs over a grid of learning rates and seeds",
+        "sweep", help="train the demo's runs over a grid of learning rates, matrix lr ratios "
+                      "and seeds",
         description="Train each optimizer at every lr, matrix lr ratio and seed with the "
-                    "demo's settings, then print and write (sweep.md, .csv, .json) the mean "
+                    "demo's settings (--task finetune: the fine-tuning demo's, from its one "
+                    "cached base), then print and write (sweep.md, .csv, .json) the mean "
                     "final validation loss of each setting, the best per optimizer and the "
-                    "seed-to-seed spread there. --write-tuned records the best settings in "
-                    "the tuned.json the demo reads.")
+                    "seed-to-seed spread there. --write-tuned records the best settings for "
+                    "the task in the tuned.json the demo and train read.")
+    from frugal_kernels.lab import sweep
+
     sweepable = [n for n, entry in demo.OPTIMIZERS.items() if entry.budget_from is None]
-    sweep_parser.add_argument("--optimizers", nargs="+", metavar="NAME", default=sweepable,
+    sweepable += [n for n, entry in finetune.ROWS.items()
+                  if entry.budget_from is None and n not in sweepable]
+    sweep_parser.add_argument(
+        "--task", choices=["pretrain", "finetune"], default="pretrain",
+        help="pretrain (default): the demo's runs, each from a fresh model; finetune: the "
+             "runs of demo --task finetune, each from its base (pretrained once at the "
+             "default seed and cached under --base-cache; the seeds draw the fine-tuning "
+             "batches)")
+    sweep_parser.add_argument("--optimizers", nargs="+", metavar="NAME",
                               type=_choice(sweepable),
-                              help=f"from {', '.join(sweepable)} (default: all)")
+                              help=f"rows of the task, from {', '.join(sweepable)} (lora with "
+                                   f"--task finetune only; default: the task's default rows "
+                                   f"but the governed ones and frugal+inbwd, which take "
+                                   f"another row's tuning: "
+                                   f"{', '.join(sweep.default_rows('pretrain'))}; with --task "
+                                   f"finetune {', '.join(sweep.default_rows('finetune'))}; "
+                                   f"those whose package is installed)")
     sweep_parser.add_argument("--lrs", nargs="+", type=_positive_float, required=True,
                               metavar="LR", help="learning rates of the embeddings, norms and "
                                                  "head")
-    sweep_parser.add_argument("--matrix-lr-ratio", nargs="+", type=_positive_float,
-                              default=[1.0], metavar="R", dest="matrix_lr_ratios",
-                              help="the matrices' lr over the lr (default: 1)")
+    sweep_parser.add_argument("--matrix-lr-ratios", "--matrix-lr-ratio", nargs="+",
+                              type=_positive_float, metavar="R", dest="matrix_lr_ratios",
+                              default=list(sweep.MATRIX_LR_RATIOS),
+                              help="the matrices' lr over the lr (default: "
+                                   f"{' '.join(f'{r:g}' for r in sweep.MATRIX_LR_RATIOS)})")
     sweep_parser.add_argument("--seeds", nargs="+", type=_seed, default=[0, 1], metavar="S",
                               help="seeds of the initial weights and batches (default: 0 1)")
+    sweep_parser.add_argument("--base-steps", type=_positive_int, default=finetune.BASE_STEPS,
+                              help=f"--task finetune: steps of the base's pretraining "
+                                   f"(default: {finetune.BASE_STEPS})")
+    sweep_parser.add_argument("--base-cache", type=Path, default=Path("runs/finetune-base"),
+                              help="--task finetune: folder of the cached bases (default: "
+                                   "runs/finetune-base)")
+    sweep_parser.add_argument("--rebuild-base", action="store_true",
+                              help="--task finetune: pretrain the base again even if cached")
     from frugal_kernels.lab import tuned
 
     sweep_parser.add_argument("--write-tuned", nargs="?", type=Path, const=tuned.PATH,
                               metavar="PATH",
-                              help=f"record the best settings in PATH (default: the package's "
-                                   f"{tuned.PATH.name}, which the demo reads)")
+                              help=f"record the best settings for the task in PATH (default: "
+                                   f"the package's {tuned.PATH.name}, which the demo and "
+                                   f"train read)")
     _add_training_arguments(sweep_parser, demo.DEFAULTS, swept=True)
     sweep_parser.set_defaults(func=_sweep)
 

@@ -40,7 +40,7 @@ from frugal_kernels.model import LlamaForCausalLM
 
 __all__ = ["DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "Interrupted", "OPTIMIZERS", "available",
            "collect_metrics", "plot", "resolve", "row_config", "run_config", "run_demo",
-           "run_train", "table", "write"]
+           "run_train", "table", "tuned_for", "write"]
 
 
 class Interrupted(KeyboardInterrupt):

@@ -58,7 +58,8 @@ BASE_STEPS = 400
 
 # The fine-tuning runs: the demo's shape, evaluated every 10 steps on 8 batches so that the
 # governor (a window of 5 evaluations, a patience of 3) can decide within the first half of
-# the run; one lr for every row (not swept for this task), below the pretraining peak.
+# the run; every row at one lr, below the pretraining peak, where no fine-tuning sweep
+# recorded its own in tuned.json.
 DEFAULTS = TrainConfig(lr=1e-3, matrix_lr_ratio=1.0, warmup_steps=10, eval_every=10,
                        eval_batches=8, cooldown_fraction=twin_cooldown_fraction(DECAY_FRACTION))
 
@@ -242,11 +243,13 @@ def finetune_setup(config: TrainConfig, base_steps: int = BASE_STEPS,
 def run_finetune(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS,
                  out: Optional[Path] = None, progress: bool | str = True, *,
                  base_steps: int = BASE_STEPS, cache: Optional[Path] = None,
-                 rebuild_base: bool = False) -> dict[str, Any]:
+                 rebuild_base: bool = False, tuned: bool = True) -> dict[str, Any]:
     """Fine-tune one copy of the cached base per row in ``names`` on the fine-tuning domain;
     write ``metrics.json``, ``table.md``, ``table.csv`` and ``finetune.png`` into ``out``
     (default ``runs/finetune-<time>``). The base lies under ``cache`` (default
-    ``runs/finetune-base``). Every row runs at ``config.lr`` and ``config.matrix_lr_ratio``.
+    ``runs/finetune-base``). With ``tuned``, each row runs at the lr and matrix lr ratio a
+    fine-tuning sweep recorded for it in ``tuned.json`` (:func:`~frugal_kernels.lab.registry.
+    run_config`), else, and without ``tuned``, at ``config.lr`` and ``config.matrix_lr_ratio``.
 
     Returns the metrics with ``"out"`` and ``"files"`` added; ``metrics["base"]`` describes
     the base and every run carries ``"forgetting"``: its loss on the base's validation data.
@@ -266,11 +269,14 @@ def run_finetune(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_
     started = time.perf_counter()
     results: dict[str, RunResult] = {}
     forgetting: dict[str, float] = {}
+    records = ({name: demo.tuned_for(config, name, ROWS, "finetune") for name in names}
+               if tuned else {})
     for name in names:
         entry = ROWS[name]
-        named_config = config
+        named_config = demo.run_config(config, name, tuned, ROWS, "finetune")
         if entry.budget_from is not None:
-            named_config = dataclasses.replace(config, flop_budget=results[entry.budget_from].flops,
+            named_config = dataclasses.replace(named_config,
+                                               flop_budget=results[entry.budget_from].flops,
                                                governor=dict(entry.governor))
         model = copy.deepcopy(base)
         results[name] = train(named_config, entry.make, model=model, data=data,
@@ -282,7 +288,7 @@ def run_finetune(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_
                                           "train_tokens": len(base_data.train)}}
     metrics["runs"] = {
         name: {"label": ROWS[name].label, "color": ROWS[name].color,
-               "budget_from": ROWS[name].budget_from, "tuned": None,
+               "budget_from": ROWS[name].budget_from, "tuned": records.get(name),
                "forgetting": forgetting[name], **result.to_dict()}
         for name, result in results.items()}
     files = demo.write(metrics, out, "finetune")

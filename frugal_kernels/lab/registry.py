@@ -3,8 +3,8 @@ it is drawn, why it may end far from AdamW), the peers' rows, the runs of a plai
 ``frugal-kernels demo``, the default settings and the tuned learning rates each run takes.
 
 Adding an optimizer to the demo (and to ``train`` and ``sweep``) is one entry in
-:data:`OPTIMIZERS`. Each optimizer runs at the learning rates recorded for it and the model
-preset in ``tuned.json`` (:mod:`frugal_kernels.lab.tuned`, from ``frugal-kernels sweep``)
+:data:`OPTIMIZERS`. Each optimizer runs at the learning rates recorded for it, the task and the
+model preset in ``tuned.json`` (:mod:`frugal_kernels.lab.tuned`, from ``frugal-kernels sweep``)
 unless ``tuned=False``.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -49,8 +49,9 @@ class DemoOptimizer:
     budget is what the run named there spent, and ``governor`` holds the keyword arguments of
     its :class:`~frugal_kernels.Governor`. ``requires`` names the (module, pip distribution)
     an optional row needs; without it the row is skipped with a notice. ``tuned_as`` names
-    the row whose tuned lrs this one takes (a governed run takes its budget source's), for a
-    row that runs the same optimizer another way. ``describe(run)``, where given, is the
+    the row whose tuned lrs this one takes where no sweep covered it itself (a governed run
+    takes its budget source's), for a row that runs the same optimizer another way or was
+    not swept. ``describe(run)``, where given, is the
     label of a finished run (its record in metrics.json), for a label that says what the
     run did (the rho AdaFRUGAL reached); ``note`` (a string, or a function of the run) says
     why the row may end far from AdamW, printed under the table when it does. A row with
@@ -141,7 +142,7 @@ def _dqt(bits: int, update: str, in_backward: bool = False) -> OptimizerFactory:
 
 def _dqt_rows() -> dict[str, DemoOptimizer]:
     """dqt8 .. dqt2 (ternary), alone and with FRUGAL, and 4-bit + FRUGAL stepped in
-    backward. Not swept: they take AdamW's lrs."""
+    backward. Each takes AdamW's tuned lrs where no sweep covered it."""
     # Colours of their own (the tab: palette is taken by the other rows and the peers), so
     # that any selection of rows stays readable in the plot.
     colors = {8: ("teal", "turquoise"), 4: ("indigo", "black"),
@@ -233,7 +234,7 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
                                         describe=_rho_reached("AdaFRUGAL+governor")),
     "badam": DemoOptimizer(f"BAdam K={BADAM_SWITCH_EVERY}", "tab:green", _badam,
                            note=_badam_note),
-    # Not swept: it takes BAdam's tuned lr.
+    # BAdam's tuned lrs where no sweep covered it.
     "badam+frugal": DemoOptimizer(f"BAdam+FRUGAL K={BADAM_SWITCH_EVERY} rho=0.25", "limegreen",
                                   _badam_frugal, tuned_as="badam",
                                   note=lambda run: _badam_note(run) + "; FRUGAL runs inside "
@@ -317,11 +318,20 @@ def available(names: Sequence[str]) -> list[str]:
     return kept
 
 
-def tuned_for(config: TrainConfig, name: str) -> Optional[dict[str, Any]]:
-    """What ``tuned.json`` records for the run ``name`` on ``config.model`` (or for its
-    ``tuned_as``, else the run its budget comes from); None if nothing is recorded."""
-    entry = OPTIMIZERS[name]
-    return tuned_lrs.lookup(config.model, entry.tuned_as or entry.budget_from or name)
+def tuned_for(config: TrainConfig, name: str, rows: Optional[Mapping[str, DemoOptimizer]] = None,
+              task: str = "pretrain") -> Optional[dict[str, Any]]:
+    """What ``tuned.json`` records for the run ``name`` of ``rows`` (default
+    :data:`OPTIMIZERS`) on ``config.model`` in ``task``: the row's own best where a sweep
+    covered it, else that of its ``tuned_as``, else that of the run its budget comes from;
+    None if none is recorded. ``"row"`` names the row whose record it is."""
+    entry = (OPTIMIZERS if rows is None else rows)[name]
+    for source in (name, entry.tuned_as, entry.budget_from):
+        if source is None:
+            continue
+        best = tuned_lrs.lookup(config.model, source, task=task)
+        if best is not None:
+            return {**best, "row": source}
+    return None
 
 
 def row_config(config: TrainConfig, name: str) -> TrainConfig:
@@ -332,10 +342,13 @@ def row_config(config: TrainConfig, name: str) -> TrainConfig:
     return config
 
 
-def run_config(config: TrainConfig, name: str, tuned: bool = True) -> TrainConfig:
-    """``config`` for the run ``name``: with ``tuned``, its lr and matrix lr ratio are the
-    recorded best for ``config.model`` where one is recorded."""
-    best = tuned_for(config, name) if tuned else None
+def run_config(config: TrainConfig, name: str, tuned: bool = True,
+               rows: Optional[Mapping[str, DemoOptimizer]] = None,
+               task: str = "pretrain") -> TrainConfig:
+    """``config`` for the run ``name`` of ``rows`` (default :data:`OPTIMIZERS`): with
+    ``tuned``, its lr and matrix lr ratio are the best recorded for ``config.model`` in
+    ``task`` (:func:`tuned_for`) where one is recorded."""
+    best = tuned_for(config, name, rows, task) if tuned else None
     if best is None:
         return config
     return dataclasses.replace(config, lr=best["lr"], matrix_lr_ratio=best["matrix_lr_ratio"])

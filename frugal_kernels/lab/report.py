@@ -156,9 +156,11 @@ def _compared(metrics: dict[str, Any]) -> list[tuple[dict[str, Any], float, Opti
 
 def _verdict(metrics: dict[str, Any]) -> str:
     """Which runs end better than the first, which worse, and which the same within the
-    seed-to-seed spread the sweep behind tuned.json measured (its seeds' range at each one's
-    best setting; of two runs, the larger spread counts). Runs without a spread (lrs not
-    tuned, a one-seed sweep) are put as lower or higher, with that caveat."""
+    seed-to-seed spread the sweep behind tuned.json measured: each run's own, the seeds'
+    range at the (lr, matrix lr ratio) the sweep found best for it and the run used (of two
+    runs, the larger spread counts). Runs without a spread (lrs not tuned, a one-seed sweep)
+    are put as lower or higher, with that caveat; a caveat is added when the sweep's
+    settings (or, fine-tuning, its base) differ from the run's."""
     runs = list(metrics["runs"].values())
     first = runs[0]
     compared = _compared(metrics)
@@ -184,7 +186,10 @@ def _verdict(metrics: dict[str, Any]) -> str:
             f"worse: {', '.join(worse) or 'none'}. The same within the seed-to-seed spread: "
             f"{', '.join(same) or 'none'}.")
         settings = first["tuned"]["settings"] if first.get("tuned") else None
-        if settings and not tuned_lrs.comparable(settings["config"], metrics["config"]):
+        other_base = (settings is not None and "base" in metrics
+                      and settings.get("base", {}).get("hash") != metrics["base"].get("hash"))
+        if settings and (other_base
+                         or not tuned_lrs.comparable(settings["config"], metrics["config"])):
             parts.append("(This run's settings differ from the sweep's, so the spread is only "
                          "a guide.)")
     if lower or higher:

@@ -1,17 +1,23 @@
-"""``frugal-kernels sweep``: the demo's training over a grid of learning rates and seeds.
+"""``frugal-kernels sweep``: the demo's training over a grid of learning rates, matrix lr
+ratios and seeds.
 
-Every setting is the demo's run (:func:`frugal_kernels.lab.train.train` with the optimizer of
-:data:`frugal_kernels.lab.registry.OPTIMIZERS`), from the seed's initialisation and batches.
-The sweep writes ``sweep.json`` (every run, the best setting per optimizer), ``sweep.md`` and
-``sweep.csv``; with ``tuned`` it records the best settings in a ``tuned.json``
-(:mod:`frugal_kernels.lab.tuned`), the file the demo reads its learning rates from.
+Every setting is one of the demo's runs (:func:`frugal_kernels.lab.train.train` with the row's
+optimizer), from the seed's initialisation and batches: with ``task="pretrain"`` a fresh model
+(the rows of :data:`frugal_kernels.lab.registry.OPTIMIZERS`), with ``task="finetune"`` a copy
+of the fine-tuning task's one pretrained base (:func:`frugal_kernels.lab.finetune.finetune_setup`,
+the rows of :data:`frugal_kernels.lab.finetune.ROWS`), the seed then drawing the fine-tuning
+batches and the optimizer's own randomness. The sweep writes ``sweep.json`` (every run, the
+best setting per optimizer), ``sweep.md`` and ``sweep.csv`` after every run; with ``tuned``
+it records the best settings for the task in a ``tuned.json`` (:mod:`frugal_kernels.lab.tuned`),
+the file the demo and ``train`` read their learning rates from.
 
-The best setting of an optimizer is the one with the lowest mean final validation loss over
-the seeds; its ``spread`` is the seeds' range (max - min) there.
+The best setting of an optimizer is the (lr, ratio) with the lowest mean final validation loss
+over the seeds; its ``spread`` is the seeds' range (max - min) there.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import json
@@ -24,12 +30,37 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from frugal_kernels.lab import demo
+from frugal_kernels.lab import demo, finetune
 from frugal_kernels.lab import tuned as tuned_lrs
 from frugal_kernels.lab.corpus import TokenDataset
+from frugal_kernels.lab.peers import missing
 from frugal_kernels.lab.train import TrainConfig, train
 
-__all__ = ["best_settings", "run_sweep", "table"]
+__all__ = ["MATRIX_LR_RATIOS", "best_settings", "default_rows", "rows_of", "run_sweep", "table"]
+
+# The matrices' lr over the lr: the shared lr, GaLore's recipe (0.25) and a quarter of that.
+MATRIX_LR_RATIOS = (1.0, 0.25, 0.0625)
+
+# Default rows left out of a default sweep: the frugal row's optimizer stepped in backward,
+# which differs from that row only by rounding and takes its tuning.
+_SAME_AS_ANOTHER = ("frugal+inbwd",)
+
+
+def rows_of(task: str) -> dict[str, demo.DemoOptimizer]:
+    """The rows of ``task``: the demo's for ``"pretrain"``, the fine-tuning task's for
+    ``"finetune"``."""
+    tuned_lrs._check_task(task)
+    return finetune.ROWS if task == "finetune" else demo.OPTIMIZERS
+
+
+def default_rows(task: str = "pretrain") -> list[str]:
+    """What a sweep runs unless told: the task's default rows but the governed ones (they
+    take their budget source's tuning) and those that run another row's optimizer another
+    way."""
+    defaults = finetune.DEFAULT_RUNS if task == "finetune" else demo.DEFAULT_RUNS
+    rows = rows_of(task)
+    return [name for name in defaults
+            if rows[name].budget_from is None and name not in _SAME_AS_ANOTHER]
 
 
 def _unique(values: Sequence, option: str) -> list:
@@ -43,45 +74,78 @@ def _unique(values: Sequence, option: str) -> list:
     return kept
 
 
-def run_sweep(config: TrainConfig, names: Sequence[str], lrs: Sequence[float],
-              ratios: Sequence[float], seeds: Sequence[int], out: Optional[Path] = None,
-              progress: bool | str = False, tuned: Optional[Path] = None,
-              data: Optional[TokenDataset] = None, overwrite: bool = False) -> dict[str, Any]:
-    """Train ``config`` once per optimizer in ``names`` (those installed), lr in ``lrs``,
-    matrix lr ratio in ``ratios`` and seed in ``seeds`` (repeats dropped, with a notice), on
-    ``data`` (default ``load_corpus(config.data)``); write the results into ``out`` (default
+def _available(names: Sequence[str], rows: dict[str, demo.DemoOptimizer]) -> list[str]:
+    """``names`` without the rows whose package is missing, each skipped with a notice."""
+    kept = []
+    for name in names:
+        reason = missing(rows[name].requires)
+        if reason is None:
+            kept.append(name)
+        else:
+            print(f"skipping {name}: {reason}", file=sys.stderr)
+    return kept
+
+
+def run_sweep(config: TrainConfig, names: Optional[Sequence[str]], lrs: Sequence[float],
+              ratios: Sequence[float] = MATRIX_LR_RATIOS, seeds: Sequence[int] = (0, 1),
+              out: Optional[Path] = None, progress: bool | str = False,
+              tuned: Optional[Path] = None, data: Optional[TokenDataset] = None,
+              overwrite: bool = False, task: str = "pretrain",
+              base_steps: int = finetune.BASE_STEPS, cache: Optional[Path] = None,
+              rebuild_base: bool = False) -> dict[str, Any]:
+    """Train ``config`` once per row of ``task`` in ``names`` (default :func:`default_rows`;
+    those installed), lr in ``lrs``, matrix lr ratio in ``ratios`` and seed in ``seeds``
+    (repeats dropped, with a notice); write the results into ``out`` (default
     ``runs/sweep-<time>``; see :func:`~frugal_kernels.lab.output.output_folder`) after every
-    run and, with ``tuned``, record the best settings there at the end. A line before each
-    run says which of how many it is, the time so far and an estimate of the rest.
+    run and, with ``tuned``, record the best settings for ``task`` there at the end. A line
+    before each run says which of how many it is, the time so far and an estimate of the
+    rest.
+
+    Pretraining runs on ``data`` (default ``load_corpus(config.data)``). Fine-tuning runs
+    start from the base of ``finetune_setup(config, base_steps, cache, rebuild_base)``,
+    pretrained once (or found in ``cache``) at ``config.seed`` for every seed of the sweep,
+    and fine-tune on its data (``config.data`` replaces the domain); ``data`` is not taken.
 
     Returns what ``sweep.json`` holds, with ``"out"`` and ``"files"`` added. Ctrl-C writes
     the finished runs (not ``tuned``) and raises :class:`~frugal_kernels.lab.demo.Interrupted`.
     """
+    rows = rows_of(task)
+    names = default_rows(task) if names is None else names
     for name in names:
-        if name not in demo.OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {name!r}; choose from "
-                             f"{', '.join(demo.OPTIMIZERS)}")
-        if demo.OPTIMIZERS[name].budget_from is not None:
+        if name not in rows:
+            raise ValueError(f"unknown optimizer {name!r} for --task {task}; choose from "
+                             f"{', '.join(rows)}")
+        if rows[name].budget_from is not None:
             raise ValueError(f"{name!r} is a governed run; sweep "
-                             f"{demo.OPTIMIZERS[name].budget_from!r}, whose tuning it takes")
-    names = demo.available(_unique(names, "--optimizers"))
-    lrs, ratios = _unique(lrs, "--lrs"), _unique(ratios, "--matrix-lr-ratio")
+                             f"{rows[name].budget_from!r}, whose tuning it takes")
+    if task == "finetune" and data is not None:
+        raise ValueError("a fine-tuning sweep takes its data from the task (config.data "
+                         "replaces the domain), not from data")
+    names = _available(_unique(names, "--optimizers"), rows)
+    lrs, ratios = _unique(lrs, "--lrs"), _unique(ratios, "--matrix-lr-ratios")
     seeds = _unique(seeds, "--seeds")
     out = demo.run_folder(out, "sweep", overwrite, progress)
-    data = demo.checked_data(config, data)
+    settings: dict[str, Any] = {"task": task, "config": dataclasses.asdict(config),
+                                "lrs": list(lrs), "matrix_lr_ratios": list(ratios),
+                                "seeds": list(seeds), "command": " ".join(sys.argv)}
+    base = None
+    if task == "finetune":
+        base, record, _, data = finetune.finetune_setup(config, base_steps, cache,
+                                                        rebuild_base, progress)
+        demo.checked_data(config, data)
+        settings["base"] = {"steps": base_steps, "hash": record["hash"]}
+    else:
+        data = demo.checked_data(config, data)
     started = time.perf_counter()
     from frugal_kernels.bench.fingerprint import fingerprint
 
-    settings = {"config": dataclasses.asdict(config), "lrs": list(lrs),
-                "matrix_lr_ratios": list(ratios), "seeds": list(seeds),
-                "command": " ".join(sys.argv)}
     grid = [(name, ratio, lr, seed) for name in names for ratio in ratios for lr in lrs
             for seed in seeds]
     runs: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}
     files: list[Path] = []
     for k, (name, ratio, lr, seed) in enumerate(grid, 1):
-        entry = demo.OPTIMIZERS[name]
+        entry = rows[name]
         label = f"{name} lr {lr:g} x{ratio:g} seed {seed}"
         if progress:
             print(demo.overall_progress(k, len(grid), label, time.perf_counter() - started,
@@ -90,8 +154,12 @@ def run_sweep(config: TrainConfig, names: Sequence[str], lrs: Sequence[float],
                                         (len(grid) - k + 1) * config.steps),
                   file=sys.stderr, flush=True)
         run_config = dataclasses.replace(config, lr=lr, matrix_lr_ratio=ratio, seed=seed)
+        if name in demo.OPTIMIZERS:
+            run_config = demo.row_config(run_config, name)  # a +select row selects
+        model = copy.deepcopy(base) if base is not None else None
         try:
-            result = train(run_config, entry.make, data=data, name=label, progress=progress)
+            result = train(run_config, entry.make, model=model, data=data, name=label,
+                           progress=progress)
         except KeyboardInterrupt:
             kept = (f"wrote the {len(runs)} finished runs to {out}" if runs
                     else "no run had finished, nothing written")
@@ -106,7 +174,7 @@ def run_sweep(config: TrainConfig, names: Sequence[str], lrs: Sequence[float],
                    "best": best_settings(runs)}
         files = _write(metrics, out)
     if tuned is not None:
-        tuned_lrs.update(tuned, config.model, settings, metrics["best"])
+        tuned_lrs.update(tuned, config.model, settings, metrics["best"], task=task)
         files.append(Path(tuned))
     return {**metrics, "out": str(out), "files": [str(f) for f in files]}
 
@@ -151,39 +219,49 @@ def best_settings(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def table(metrics: dict[str, Any]) -> str:
-    """The sweep as markdown: per optimizer, the mean loss of every setting (the seeds' range
-    in parentheses), its best setting and the spread there."""
+    """The sweep as markdown: per optimizer, one line per matrix lr ratio with the mean loss at
+    every lr (the seeds' range in parentheses, with two seeds or more; the best setting in
+    bold), and on its first line the best setting and the spread there."""
     settings = metrics["settings"]
     cells = _cells(metrics["runs"])
-    grid = [(lr, ratio) for ratio in settings["matrix_lr_ratios"] for lr in settings["lrs"]]
-    header = ["optimizer", *(f"lr {lr:g} (x{ratio:g})" for lr, ratio in grid), "best lr (matrices)",
-              "seed spread"]
+    header = ["optimizer", "matrices", *(f"lr {lr:g}" for lr in settings["lrs"]),
+              "best lr (matrices)", "seed spread"]
     labels = {run["optimizer"]: run["label"] for run in metrics["runs"]}
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, label in labels.items():
-        row = [label]
-        for lr, ratio in grid:
-            losses = cells.get((name, lr, ratio))
-            if losses is None:
-                row.append("–")
-                continue
-            text = f"{statistics.fmean(losses):.4f} ({max(losses) - min(losses):.4f})"
-            chosen = metrics["best"].get(name)
-            if chosen and (chosen["lr"], chosen["matrix_lr_ratio"]) == (lr, ratio):
-                text = f"**{text}**"
-            row.append(text)
         chosen = metrics["best"].get(name)
-        if chosen is None:
-            row += ["diverged", "–"]
-        else:
-            spread = (f"{chosen['spread']:.4f} ({chosen['spread'] / chosen['val_loss']:.2%})"
-                      if chosen["seeds"] > 1 else "– (one seed)")
-            row += [f"{chosen['lr']:g} ({chosen['lr'] * chosen['matrix_lr_ratio']:.3g})",
-                    spread]
-        lines.append("| " + " | ".join(row) + " |")
+        for i, ratio in enumerate(settings["matrix_lr_ratios"]):
+            row = [label if i == 0 else "", f"x{ratio:g}"]
+            for lr in settings["lrs"]:
+                losses = cells.get((name, lr, ratio))
+                if losses is None:
+                    row.append("–")
+                    continue
+                text = f"{statistics.fmean(losses):.4f}"
+                if len(losses) > 1:  # one seed has no range (not one of 0)
+                    text += f" ({max(losses) - min(losses):.4f})"
+                if chosen and (chosen["lr"], chosen["matrix_lr_ratio"]) == (lr, ratio):
+                    text = f"**{text}**"
+                row.append(text)
+            if i > 0:
+                row += ["", ""]
+            elif chosen is None:
+                row += ["diverged", "–"]
+            else:
+                spread = (f"{chosen['spread']:.4f} ({chosen['spread'] / chosen['val_loss']:.2%})"
+                          if chosen["seeds"] > 1 else "– (one seed)")
+                row += [f"{chosen['lr']:g} ({chosen['lr'] * chosen['matrix_lr_ratio']:.3g})",
+                        spread]
+            lines.append("| " + " | ".join(row) + " |")
     c = settings["config"]
-    lines.append(f"\nMean final validation loss over seeds {', '.join(map(str, settings['seeds']))} "
-                 f"(their range in parentheses); {c['model']} model, {c['steps']} steps of "
+    task = settings.get("task", "pretrain")
+    what = (f"fine-tuning the base of {settings['base']['steps']} steps" if task == "finetune"
+            else "pretraining")
+    seeds = settings["seeds"]
+    lines.append(f"\nMean final validation loss over seeds {', '.join(map(str, seeds))}"
+                 + (" (their range in parentheses)" if len(seeds) > 1 else "")
+                 + "; matrices: their lr as a multiple of the lr; "
+                 f"{what}, {c['model']} model, {c['steps']} steps of "
                  f"{c['batch_size']}x{c['seq_len']} bytes, {c['schedule']} schedule; "
                  f"{metrics['wall_time']:.0f} s in all.")
     planned = metrics.get("planned", len(metrics["runs"]))
