@@ -181,8 +181,8 @@ def _train_config(args: argparse.Namespace, base):
     options = {field: getattr(args, field, None) for field in (
         "model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio", "warmup_steps",
         "schedule", "eval_every",
-        "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes", "select",
-        "keep", "candidates", "data_noise")}
+        "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes", "finetune_bytes",
+        "select", "keep", "candidates", "data_noise")}
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_grad_clip:
         options["grad_clip"] = None
@@ -420,7 +420,7 @@ def _train_run(args: argparse.Namespace, parallel: Optional[str]) -> int:
 # Options that set up a run; a resumed run takes them all from its checkpoint.
 _RUN_OPTIONS = ("model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio",
                 "warmup_steps", "schedule", "eval_every", "eval_batches", "grad_clip",
-                "weight_decay", "seed", "data", "max_bytes", "flop_budget", "governor_window",
+                "weight_decay", "seed", "data", "max_bytes", "finetune_bytes", "flop_budget", "governor_window",
                 "governor_patience", "governor_min_improvement", "governor_select_trial",
                 "select", "keep", "candidates", "data_noise", "task", "base_steps")
 
@@ -543,6 +543,10 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
                        "downloads)")
     add("--max-bytes", type=_positive_int,
         help=f"read at most this many bytes of data (default: {defaults.max_bytes:,})")
+    add("--finetune-bytes", type=_positive_int,
+        help="--task finetune: read at most this many bytes of the fine-tuning domain (a "
+             "small set trained on for several epochs, where the validation loss plateaus; "
+             "default: --max-bytes); the base's data is not changed")
     add("--data-noise", type=_number(float, "a number in [0, 1)", lambda v: 0 <= v < 1),
         metavar="F", help="replace this fraction of the training documents with low-value "
                           "text (their bytes shuffled, or exact duplicates of others), the "

@@ -119,7 +119,7 @@ class Governor:
       of differencing two of them; it is undefined (and no decision but the budget's is taken)
       until ``window`` evaluations exist.
     * ``P_t = G_t * R_t / L_t``: the relative improvement the rest of the budget would buy at
-      the current rate.
+      the current rate (with a decay phase, the rest of the stable phase: see below).
 
     Rules, first match wins:
 
@@ -163,7 +163,10 @@ class Governor:
     stop, or once the budget left could not pay for a decay of ``decay_fraction`` times the
     FLOPs spent so far (``F_t * (1 + decay_fraction) >= flop_budget``), it answers
     **decay**, with ``suggestion["decay_flops"]``, the FLOPs the decay is given
-    (``decay_fraction * F_t``, within the budget). The training loop then anneals its
+    (``decay_fraction * F_t``, within the budget). Rule 2's ``P_t`` then takes the stable
+    phase's FLOPs left, ``flop_budget / (1 + decay_fraction) - F_t``, for ``R_t``: the decay
+    is spent either way, and what a decay begun now gives up is the rest of the stable
+    phase. The training loop then anneals its
     learning rate over those FLOPs, and the governor answers **continue** until they are
     spent, then **stop** ("decay done"). An ungoverned WSD run decays at the budget's
     ``1 / (1 + decay_fraction)``; a run that plateaus earlier decays, and ends, earlier
@@ -375,6 +378,15 @@ class Governor:
             self._segment_gains = []
             d.suggestion["select"] = float(self.selecting)
 
+    def _stake(self, d: Decision) -> float:
+        """The FLOPs a stop or decay decided now gives up at the current rate: the rest of
+        the budget, or with a decay phase the stable phase's rest, ``flop_budget / (1 +
+        decay_fraction) - F_t`` (the decay is spent either way, now or at the budget's end,
+        and it is the stable phase's gain that a decay now forgoes)."""
+        if self.decay_fraction is None:
+            return d.remaining_flops
+        return max(0.0, self.flop_budget / (1.0 + self.decay_fraction) - d.flops)
+
     def _decide(self, d: Decision) -> None:
         if not math.isfinite(d.loss):
             d.action, d.reason = "stop", f"loss is not finite ({d.loss})"
@@ -399,7 +411,7 @@ class Governor:
             xs, ys = zip(*self._points)
             gain = -_slope(list(xs), list(ys))
             d.gain_per_flop = gain
-            d.projected_improvement = gain * d.remaining_flops / d.loss
+            d.projected_improvement = gain * self._stake(d) / d.loss
             if d.projected_improvement < self.min_improvement:
                 self._below_streak += 1
             else:

@@ -37,6 +37,20 @@ def test_the_base_and_the_finetuning_data_share_no_file():
     assert not {doc.data for doc in base} & {doc.data for doc in tests if len(doc.data) > 64}
 
 
+def test_finetune_bytes_caps_the_domain_only_and_keeps_the_base():
+    small = dataclasses.replace(TINY, finetune_bytes=20_000)
+    base, domain = finetune.finetune_data(small)
+    full_base, full_domain = finetune.finetune_data(TINY)
+    assert base.digest == full_base.digest
+    def size(data):
+        return len(data.train) + len(data.validation)  # byte tokens: one per byte
+    assert size(domain) == 20_000 < size(full_domain)
+    # The base of a run with a capped domain is the same cached base.
+    assert finetune.base_settings(small) == finetune.base_settings(TINY)
+    with pytest.raises(ValueError, match="finetune_bytes must be an int >= 1"):
+        dataclasses.replace(TINY, finetune_bytes=0)
+
+
 def test_test_modules_are_told_by_folder_and_name():
     assert finetune.is_test_module("test/test_os.py")
     assert finetune.is_test_module("idlelib/idle_test/htest.py")

@@ -352,6 +352,18 @@ def test_a_steady_run_decays_when_the_budget_only_pays_for_the_decay():
     assert decisions[-1].flops <= BUDGET + BUDGET / EVALUATIONS
 
 
+def test_with_a_decay_phase_the_rate_is_weighed_against_the_stable_phase_left():
+    # G = 0.1 per FLOP unit at 0.6 of the budget: the stable phase ends at 0.8, so a decay now
+    # gives up 0.2 of the budget's stable FLOPs, not the 0.4 left in all.
+    points = [(0.5 * BUDGET, 1.0 + 0.01), (0.6 * BUDGET, 1.0)]
+    gain = 0.01 / (0.1 * BUDGET)
+    for fraction, stake in ((None, 0.4), (DECAY, 0.2)):
+        governor = Governor(BUDGET, window=2, decay_fraction=fraction)
+        for flops, loss in points:
+            last = governor.observe(loss, flops=flops)
+        assert last.projected_improvement == pytest.approx(gain * stake * BUDGET / 1.0)
+
+
 def test_without_a_decay_phase_a_plateau_stops_as_before():
     decisions = run(plateau, governor=Governor(BUDGET), noise=1e-3)
     assert "decay" not in [d.action for d in decisions]

@@ -75,10 +75,11 @@ def is_test_module(name: str) -> bool:
     return any(f in _TEST_DIRS for f in folders) or file.startswith("test_")
 
 
-def stdlib_split(max_bytes: Optional[int]) -> tuple[list[Document], list[Document]]:
+def stdlib_split(max_bytes: Optional[int], domain_bytes: Optional[int] = None
+                 ) -> tuple[list[Document], list[Document]]:
     """The standard library's ``*.py`` files in two parts with no file in both: the base's
     (no test module) and the fine-tuning domain (the test modules), each sorted by path and
-    read up to ``max_bytes``."""
+    read up to ``max_bytes`` (the domain up to ``domain_bytes`` where that is smaller)."""
     base = [doc for doc in stdlib_documents(max_bytes) if not is_test_module(doc.name)]
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
@@ -89,16 +90,24 @@ def stdlib_split(max_bytes: Optional[int]) -> tuple[list[Document], list[Documen
             if name.endswith(".py") and is_test_module(path.relative_to(root).as_posix()):
                 files.append(path)
     files.sort(key=lambda path: path.relative_to(root).as_posix())
-    return base, _read_capped(root, files, max_bytes)
+    return base, _read_capped(root, files, _smaller(max_bytes, domain_bytes))
+
+
+def _smaller(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    """The smaller of two byte caps, None meaning no cap."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 def finetune_data(config: TrainConfig) -> tuple[TokenDataset, TokenDataset]:
     """(the base's data, the fine-tuning data): the standard library without and with only its
-    test modules, or, with ``config.data``, the user's files for the fine-tuning."""
-    base_documents, test_documents = stdlib_split(config.max_bytes)
+    test modules, or, with ``config.data``, the user's files for the fine-tuning; the latter
+    read up to ``config.finetune_bytes`` where that is below ``config.max_bytes`` (a small
+    domain set, trained on for several epochs, where the validation loss plateaus)."""
+    base_documents, test_documents = stdlib_split(config.max_bytes, config.finetune_bytes)
     base = TokenDataset(base_documents, seed=config.seed, source="stdlib without tests")
     if config.data is not None:
-        return base, load_corpus(config.data, max_bytes=config.max_bytes, seed=config.seed)
+        return base, load_corpus(config.data, seed=config.seed,
+                                 max_bytes=_smaller(config.max_bytes, config.finetune_bytes))
     return base, TokenDataset(test_documents, seed=config.seed, source="stdlib tests")
 
 

@@ -115,6 +115,7 @@ class TrainConfig:
     device: str = "cpu"
     data: Optional[str] = None
     max_bytes: Optional[int] = DEFAULT_MAX_BYTES
+    finetune_bytes: Optional[int] = None
     flop_budget: Optional[float] = None
     governor: dict[str, Any] = field(default_factory=dict)
     parallel: Optional[str] = None
@@ -136,6 +137,11 @@ class TrainConfig:
         if self.parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {', '.join(map(str, PARALLEL))}, got "
                              f"{self.parallel!r}")
+        if self.finetune_bytes is not None and (isinstance(self.finetune_bytes, bool) or not
+                                                isinstance(self.finetune_bytes, int)
+                                                or self.finetune_bytes < 1):
+            raise ValueError(f"finetune_bytes must be an int >= 1 or None, got "
+                             f"{self.finetune_bytes!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got "
                              f"{self.schedule!r}")
