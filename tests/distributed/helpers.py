@@ -1,21 +1,23 @@
-"""What the distributed tests share: a port for the ranks to meet on, the
+"""What the distributed tests share: a place for the ranks to meet, the
 checkpoint round trip through torch.distributed.checkpoint, and the measure of
 how far two runs are apart."""
 
 from __future__ import annotations
 
 import inspect
-import socket
+import os
+import uuid
 
 from torch import nn
 
 import frugal_kernels as fk
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous(folder: str) -> str:
+    """The ``init_method`` for the ranks of one spawn: a new file in ``folder`` (a
+    FileStore). A free TCP port, chosen then bound by the ranks later, can be taken by
+    another process on a shared machine in between; a file of its own cannot."""
+    return "file://" + os.path.join(os.path.abspath(folder), f"rendezvous-{uuid.uuid4().hex}")
 
 
 def ddp_without_buffer_sync(module, **options):

@@ -22,7 +22,7 @@ from torch import nn
 import frugal_kernels as fk
 from frugal_kernels.optim.subspace_choice import PROJECTIONS
 
-from .helpers import fraction_apart, free_port
+from .helpers import fraction_apart, rendezvous
 
 STEPS = 6
 BATCH = 8  # global; each of the two ranks takes half
@@ -63,9 +63,8 @@ def train(kind, projection, module, batches, rank=0, world=1):
     return opt
 
 
-def _rank(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank, world, init_method, out):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.set_num_threads(1)
     results = {}
     for kind, projection in CONFIGS:
@@ -89,7 +88,7 @@ def _rank(rank, world, port, out):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ddp"))
-    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, rendezvous(out), out), nprocs=2, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
 
 

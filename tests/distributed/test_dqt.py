@@ -32,7 +32,7 @@ import frugal_kernels as fk
 from frugal_kernels._shard import RowShard, row_chunk
 from frugal_kernels.nn import QuantLinear, QuantWeight, shard_quantized_
 
-from .helpers import ddp_without_buffer_sync, free_port, load, save
+from .helpers import ddp_without_buffer_sync, rendezvous, load, save
 
 STEPS = 4
 CUT = 2  # checkpoints are taken after CUT steps
@@ -192,9 +192,8 @@ def result(model, opt, **extra):
     return {"codes": codes(model), "floats": floats(model), **extra}
 
 
-def _rank(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank, world, init_method, out):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -349,7 +348,7 @@ def runs(tmp_path_factory):
         with one_thread():
             train_by_halves(model, opt, 0, CUT)
         save(model, opt, os.path.join(out, f"{name}-1"))
-    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, rendezvous(out), out), nprocs=2, join=True)
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
     return out, ranks
 

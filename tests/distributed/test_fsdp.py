@@ -27,7 +27,7 @@ from torch import nn
 import frugal_kernels as fk
 from frugal_kernels.optim.subspace_choice import PROJECTIONS
 
-from .helpers import fraction_apart, free_port, load, save
+from .helpers import fraction_apart, rendezvous, load, save
 
 STEPS = 6
 CUT = 3  # checkpoints are taken after CUT steps
@@ -155,9 +155,8 @@ class CollectiveCounter:
             self.on = False
 
 
-def _rank(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank, world, init_method, out):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -277,7 +276,7 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp"))
     for name in CONFIGS:
         single(name, 0, CUT, save_to=os.path.join(out, f"{name}-1"))
-    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, rendezvous(out), out), nprocs=2, join=True)
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
     return out, ranks
 

@@ -23,7 +23,7 @@ from torch import nn
 
 import frugal_kernels as fk
 
-from .helpers import free_port
+from .helpers import rendezvous
 from .test_ddp import BATCH, model
 
 STEPS = 5
@@ -81,9 +81,8 @@ def train(config, bucket_view, k, rank, world, in_backward):
             "in_comm_hook": where}
 
 
-def _rank(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank, world, init_method, out):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.set_num_threads(1)
     results = {}
     for config in CONFIGS:
@@ -137,7 +136,7 @@ def _fsdp2_refusal() -> str:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ddp_in_backward"))
-    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, rendezvous(out), out), nprocs=2, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import frugal_kernels as fk
 
-from .helpers import fraction_apart, free_port, load, save
+from .helpers import fraction_apart, rendezvous, load, save
 
 STEPS, CUT, BATCH = 4, 2, 8
 
@@ -71,9 +71,8 @@ def params_of(model):
             for p in model.parameters()]
 
 
-def _rank(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank, world, init_method, out):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -116,7 +115,7 @@ def runs(tmp_path_factory):
     save(model, opt, os.path.join(out, "one"))
     train(model, opt, CUT, STEPS)
     single["params"] = params_of(model)
-    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, rendezvous(out), out), nprocs=2, join=True)
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
     return out, single, ranks
 
