@@ -305,12 +305,14 @@ def resolve(names: Sequence[str]) -> list[str]:
     return ordered
 
 
-def available(names: Sequence[str]) -> list[str]:
-    """``names`` without the rows whose package is missing, each skipped with a one-line
-    notice on stderr."""
+def available(names: Sequence[str], rows: Optional[dict[str, DemoOptimizer]] = None
+              ) -> list[str]:
+    """``names`` without the rows (of ``rows``, default :data:`OPTIMIZERS`) whose package is
+    missing, each skipped with a one-line notice on stderr."""
+    rows = OPTIMIZERS if rows is None else rows
     kept = []
     for name in names:
-        reason = missing(OPTIMIZERS[name].requires)
+        reason = missing(rows[name].requires)
         if reason is None:
             kept.append(name)
         else:

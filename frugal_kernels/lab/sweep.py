@@ -33,7 +33,6 @@ import torch
 from frugal_kernels.lab import demo, finetune
 from frugal_kernels.lab import tuned as tuned_lrs
 from frugal_kernels.lab.corpus import TokenDataset
-from frugal_kernels.lab.peers import missing
 from frugal_kernels.lab.train import TrainConfig, train
 
 __all__ = ["MATRIX_LR_RATIOS", "best_settings", "default_rows", "rows_of", "run_sweep", "table"]
@@ -74,18 +73,6 @@ def _unique(values: Sequence, option: str) -> list:
     return kept
 
 
-def _available(names: Sequence[str], rows: dict[str, demo.DemoOptimizer]) -> list[str]:
-    """``names`` without the rows whose package is missing, each skipped with a notice."""
-    kept = []
-    for name in names:
-        reason = missing(rows[name].requires)
-        if reason is None:
-            kept.append(name)
-        else:
-            print(f"skipping {name}: {reason}", file=sys.stderr)
-    return kept
-
-
 def run_sweep(config: TrainConfig, names: Optional[Sequence[str]], lrs: Sequence[float],
               ratios: Sequence[float] = MATRIX_LR_RATIOS, seeds: Sequence[int] = (0, 1),
               out: Optional[Path] = None, progress: bool | str = False,
@@ -121,7 +108,7 @@ def run_sweep(config: TrainConfig, names: Optional[Sequence[str]], lrs: Sequence
     if task == "finetune" and data is not None:
         raise ValueError("a fine-tuning sweep takes its data from the task (config.data "
                          "replaces the domain), not from data")
-    names = _available(_unique(names, "--optimizers"), rows)
+    names = demo.available(_unique(names, "--optimizers"), rows)
     lrs, ratios = _unique(lrs, "--lrs"), _unique(ratios, "--matrix-lr-ratios")
     seeds = _unique(seeds, "--seeds")
     out = demo.run_folder(out, "sweep", overwrite, progress)
