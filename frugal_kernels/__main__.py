@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import gc
 import math
 import os
 import sys
@@ -308,7 +309,14 @@ def _train(args: argparse.Namespace) -> int:
         args.optimizer = "adafrugal"
     parallel = _parallel(args)
     try:
-        return _train_run(args, parallel)
+        status = _train_run(args, parallel)
+        if parallel is not None:
+            # The ranks leave together, with the FSDP/DDP modules that hold the group
+            # already freed: a rank that tore its group down while the other still had a
+            # collective in flight was seen to abort at exit (SIGABRT, under load in CI).
+            gc.collect()
+            dist.barrier()
+        return status
     finally:
         if parallel is not None:
             dist.destroy_process_group()

@@ -31,7 +31,8 @@ CONFIG = dataclasses.replace(TrainConfig().with_steps(6, eval_every=3), model="t
 
 
 def torchrun(tmp_path: Path, *args: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    # A rank that dies on a signal prints every thread's Python stack.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
