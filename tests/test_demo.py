@@ -380,6 +380,16 @@ def test_lr_groups_give_the_matrices_their_own_lr():
     assert [g["lr"] for g in opt.param_groups] == [1e-2, 2.5e-3]
 
 
+@pytest.mark.parametrize("name", ["badam", "badam+frugal"])
+def test_badam_rows_give_the_layers_blocks_the_matrix_lr(name):
+    model = LlamaForCausalLM(TINY.model_config(256))
+    opt = demo.OPTIMIZERS[name].make(model, dataclasses.replace(TINY, lr=1e-2,
+                                                                matrix_lr_ratio=0.25))
+    lrs = {g["block"]: g["lr"] for g in opt.param_groups}
+    assert lrs.pop("embedding") == lrs.pop("head") == 1e-2
+    assert lrs and set(lrs.values()) == {2.5e-3}
+
+
 def test_progress_lines_off_a_terminal_and_nothing_when_quiet(corpus, capsys):
     train(TINY, adamw, data=corpus, name="run", progress=True)  # capsys: not a terminal
     err = capsys.readouterr().err

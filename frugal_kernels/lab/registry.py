@@ -112,15 +112,26 @@ def _adafrugal(model, config: TrainConfig) -> AdaFRUGAL:
 
 
 def _badam(model, config: TrainConfig) -> BAdam:
-    return BAdam(model, lr=config.lr, weight_decay=config.weight_decay,
-                 switch_every=BADAM_SWITCH_EVERY, include_embedding=True, include_head=True,
-                 seed=config.seed)
+    return _with_matrix_lr(BAdam(model, lr=config.lr, weight_decay=config.weight_decay,
+                                 switch_every=BADAM_SWITCH_EVERY, include_embedding=True,
+                                 include_head=True, seed=config.seed), config)
 
 
 def _badam_frugal(model, config: TrainConfig) -> BAdam:
-    return BAdam(model, lr=config.lr, weight_decay=config.weight_decay,
-                 switch_every=BADAM_SWITCH_EVERY, include_embedding=True, include_head=True,
-                 seed=config.seed, inner="frugal", density=0.25, projection="columns")
+    return _with_matrix_lr(BAdam(model, lr=config.lr, weight_decay=config.weight_decay,
+                                 switch_every=BADAM_SWITCH_EVERY, include_embedding=True,
+                                 include_head=True, seed=config.seed, inner="frugal",
+                                 density=0.25, projection="columns"), config)
+
+
+def _with_matrix_lr(opt: BAdam, config: TrainConfig) -> BAdam:
+    """The layers' blocks at ``matrix_lr_ratio * lr``, the embedding and the head at ``lr``,
+    as :func:`lr_groups` gives the other rows. BAdam's param groups are its blocks, so a
+    layer's norms (a few hundred of its parameters) take the matrices' lr here."""
+    for group in opt.param_groups:
+        if group["block"] not in ("embedding", "head"):
+            group["lr"] = config.lr * config.matrix_lr_ratio
+    return opt
 
 
 def _dqt(bits: int, update: str, in_backward: bool = False) -> OptimizerFactory:
