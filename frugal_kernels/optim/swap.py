@@ -103,9 +103,10 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
     """Make ``optimizer.step`` run on the fused ops; returns the same optimizer.
 
     ``optimizer`` is a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` instance (not
-    a subclass, whose step may differ). Swapping a swapped optimizer changes
-    nothing; ``swap(optimizer, undo=True)`` restores the original step, and the
-    state written meanwhile carries over.
+    a subclass, whose step may differ). Swapping a swapped optimizer with the
+    same options changes nothing (other options raise a ValueError);
+    ``swap(optimizer, undo=True)`` restores the original step, and the state
+    written meanwhile carries over.
 
     Args:
         backend: the backend of the fused ops ("auto" by default, see
@@ -131,7 +132,7 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
         ValueError: for an option the swapped step does not honour (see the module
             docstring), a bad ``backend``, ``state_dtype`` or ``nonfinite``; a
             group's options are checked now and again at every step, since param
-            groups may change.
+            groups may change; a repeated swap with other options than the first's.
         RuntimeError: for ``undo=True`` while the optimizer steps in backward
             (:func:`frugal_kernels.step_in_backward`): ``handle.remove()`` first.
     """
@@ -162,6 +163,7 @@ def swap(optimizer: Optimizer, *, backend: str = "auto", undo: bool = False,
         raise TypeError(f"swap supports torch.optim.AdamW, Adam and SGD instances, got "
                         f"{kind.__module__}.{kind.__qualname__}")
     if is_swapped(optimizer):
+        _check_same_swap(optimizer.__dict__[_SWAP], backend, state_dtype, nonfinite)
         return optimizer
     check_backend(backend)
     check_nonfinite(nonfinite)
@@ -588,6 +590,17 @@ def _versions(tensors: List[Tensor]) -> Optional[Tuple[int, ...]]:
 
 
 # ------------------------------------------------------------------ 8-bit state
+
+def _check_same_swap(record: _Swap, backend: str, state_dtype: str, nonfinite: str) -> None:
+    """A repeated swap changes nothing, so it may not ask for other options than the first."""
+    has = {"backend": record.backend, "state_dtype": "int8" if record.int8_hooks else "fp32",
+           "nonfinite": record.nonfinite}
+    asked = {"backend": backend, "state_dtype": state_dtype, "nonfinite": nonfinite}
+    other = [f"{k}={asked[k]!r} (it has {has[k]!r})" for k in has if asked[k] != has[k]]
+    if other:
+        raise ValueError(f"swap: this optimizer is swapped already, with other options: "
+                         f"{', '.join(other)}; swap(optimizer, undo=True) first to change them")
+
 
 def _check_state_dtype(optimizer: Optimizer, state_dtype: str) -> None:
     if state_dtype not in STATE_DTYPES:

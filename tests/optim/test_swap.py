@@ -575,6 +575,21 @@ def test_a_bad_backend_or_policy_is_refused_at_the_swap():
     assert not frugal_kernels.optim.swap.is_swapped(opt)
 
 
+@pytest.mark.parametrize("options", [dict(nonfinite="raise"), dict(backend="torch"),
+                                     dict(state_dtype="int8")], ids=lambda o: next(iter(o)))
+def test_a_repeated_swap_with_other_options_is_refused_and_changes_nothing(options):
+    params = make_params()
+    opt = swap(torch.optim.AdamW(params), backend="cpu")
+    assert swap(opt, backend="cpu") is opt  # the same options: nothing to do
+    step = opt.step
+    with pytest.raises(ValueError, match="swapped already, with other options: "
+                                         f"{next(iter(options))}="):
+        swap(opt, **{"backend": "cpu", **options})
+    record = opt.__dict__[frugal_kernels.optim.swap._SWAP]
+    assert opt.step == step and (record.backend, record.nonfinite) == ("cpu", "skip")
+    assert not record.int8_hooks
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_nonfinite_gradient_skips_the_step_by_default(name, value):
