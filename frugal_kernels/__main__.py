@@ -502,6 +502,20 @@ def _check_tuned_path(path: Path) -> None:
                                "folder there)")
 
 
+def _add_base_arguments(parser: argparse.ArgumentParser, steps: Optional[int]) -> None:
+    """The fine-tuning task's base model: its pretraining steps, its cache, a rebuild."""
+    from frugal_kernels.lab import finetune
+
+    parser.add_argument("--base-steps", type=_positive_int, default=steps,
+                        help=f"--task finetune: steps of the base's pretraining with AdamW "
+                             f"(default: {finetune.BASE_STEPS})")
+    parser.add_argument("--base-cache", type=Path, default=Path("runs/finetune-base"),
+                        help="--task finetune: folder of the cached bases, one per hash of "
+                             "their settings (default: runs/finetune-base)")
+    parser.add_argument("--rebuild-base", action="store_true",
+                        help="--task finetune: pretrain the base again even if cached")
+
+
 def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
                             swept: bool = False) -> None:
     """The options of a training run; ``swept`` leaves out those a sweep takes lists of
@@ -615,14 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
              f"{', '.join(finetune_only)} (default: {', '.join(demo.DEFAULT_RUNS)}; with "
              f"--task finetune {', '.join(finetune.DEFAULT_RUNS)}; those whose package is "
              "installed); a governed run brings the run its budget comes from")
-    demo_parser.add_argument("--base-steps", type=_positive_int, default=finetune.BASE_STEPS,
-                             help=f"--task finetune: steps of the base's pretraining with "
-                                  f"AdamW (default: {finetune.BASE_STEPS})")
-    demo_parser.add_argument("--base-cache", type=Path, default=Path("runs/finetune-base"),
-                             help="--task finetune: folder of the cached bases, one per hash "
-                                  "of their settings (default: runs/finetune-base)")
-    demo_parser.add_argument("--rebuild-base", action="store_true",
-                             help="--task finetune: pretrain the base again even if cached")
+    _add_base_arguments(demo_parser, finetune.BASE_STEPS)
     _add_training_arguments(demo_parser, demo.DEFAULTS)
     demo_parser.set_defaults(func=_demo)
 
@@ -647,14 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
              "--task finetune (pretrained once and cached under --base-cache) on the "
              "standard library's test modules or on --data, at the row's tuned lrs for the task "
              "(tuned.json) where a fine-tuning sweep recorded them, else lr 1e-3")
-    train_parser.add_argument("--base-steps", type=_positive_int,
-                              help=f"--task finetune: steps of the base's pretraining "
-                                   f"(default: {finetune.BASE_STEPS})")
-    train_parser.add_argument("--base-cache", type=Path, default=Path("runs/finetune-base"),
-                              help="--task finetune: folder of the cached bases (default: "
-                                   "runs/finetune-base)")
-    train_parser.add_argument("--rebuild-base", action="store_true",
-                              help="--task finetune: pretrain the base again even if cached")
+    # None: the resumed run's, else finetune.BASE_STEPS.
+    _add_base_arguments(train_parser, None)
     train_parser.add_argument("--resume", metavar="CHECKPOINT",
                               type=lambda t: _existing_file(t, "--resume"),
                               help="continue the run whose checkpoint.pt (written at every "
@@ -728,14 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"{' '.join(f'{r:g}' for r in sweep.MATRIX_LR_RATIOS)})")
     sweep_parser.add_argument("--seeds", nargs="+", type=_seed, default=[0, 1], metavar="S",
                               help="seeds of the initial weights and batches (default: 0 1)")
-    sweep_parser.add_argument("--base-steps", type=_positive_int, default=finetune.BASE_STEPS,
-                              help=f"--task finetune: steps of the base's pretraining "
-                                   f"(default: {finetune.BASE_STEPS})")
-    sweep_parser.add_argument("--base-cache", type=Path, default=Path("runs/finetune-base"),
-                              help="--task finetune: folder of the cached bases (default: "
-                                   "runs/finetune-base)")
-    sweep_parser.add_argument("--rebuild-base", action="store_true",
-                              help="--task finetune: pretrain the base again even if cached")
+    _add_base_arguments(sweep_parser, finetune.BASE_STEPS)
     from frugal_kernels.lab import tuned
 
     sweep_parser.add_argument("--write-tuned", nargs="?", type=Path, const=tuned.PATH,
