@@ -649,7 +649,11 @@ def test_a_checkpoint_of_format_3_resumes_exactly(case):
 
 def _resumes_exactly(saved, options, dtype):
     """A "random" run resumed from ``saved`` (its model, optimizer state and cut) goes on
-    as one that never stopped."""
+    as one that never stopped: the same block schedule, and parameters equal to the
+    uninterrupted run's within a few ulps. Not bit-equal: the fixture was written on
+    another CPU, whose GEMMs round the embedding's and head's gradients one ulp apart from
+    this one's (bit-exact resume on one machine is test_resume_is_bit_identical's); a load
+    that dropped or misplaced a moment moves the next steps by about lr, far beyond it."""
     steps = saved["cut"] + 2 * SWITCH_EVERY
     model = Toy().to(dtype)
     opt = badam(model, "random", **options)
@@ -661,7 +665,7 @@ def _resumes_exactly(saved, options, dtype):
     run_steps(resumed, opt2, saved["cut"], steps)
     assert opt2.history == opt.history
     for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
-        assert torch.equal(p, q), name
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("inner", ["adamw", "frugal"])
