@@ -183,7 +183,8 @@ def _train_config(args: argparse.Namespace, base):
         "model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio", "warmup_steps",
         "schedule", "eval_every",
         "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes", "finetune_bytes",
-        "select", "keep", "candidates", "data_noise")}
+        "select", "keep", "candidates", "data_noise",
+        "badam_switch_every")}
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_grad_clip:
         options["grad_clip"] = None
@@ -430,7 +431,8 @@ _RUN_OPTIONS = ("model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_rati
                 "warmup_steps", "schedule", "eval_every", "eval_batches", "grad_clip",
                 "weight_decay", "seed", "data", "max_bytes", "finetune_bytes", "flop_budget", "governor_window",
                 "governor_patience", "governor_min_improvement", "governor_select_trial",
-                "select", "keep", "candidates", "data_noise", "task", "base_steps")
+                "select", "keep", "candidates", "data_noise", "task", "base_steps",
+                "badam_switch_every")
 
 
 def _resume(args: argparse.Namespace, parallel: Optional[str]):
@@ -582,6 +584,9 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
              f"{defaults.keep:g})")
     add("--candidates", type=_positive_int,
         help=f"with --select, batches scored per step (default: {defaults.candidates})")
+    add("--badam-switch-every", type=_positive_int, metavar="K",
+        help=f"the BAdam rows' steps per block before the next block trains (default: "
+             f"{defaults.badam_switch_every})")
     add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>); one "
                                  "that holds results of an earlier run is left alone and a "
                                  "new one beside it (<out>-2, ...) is used, unless --overwrite")

@@ -260,6 +260,7 @@ BAD_ARGUMENTS = [
     (["train", "--flop-budget", "-1"], "--flop-budget"),
     (["train", "--governor-window", "1"], "--governor-window"),
     (["demo", "--weight-decay", "-0.1"], "--weight-decay"),
+    (["demo", "--badam-switch-every", "0"], "--badam-switch-every"),
     (["demo", "--device", "tpu"], "not a device"),
     (["bench", "--ops", "nosuch"], "--ops"),
     (["bench", "--rounds", "-1"], "--rounds"),
@@ -381,13 +382,15 @@ def test_lr_groups_give_the_matrices_their_own_lr():
 
 
 @pytest.mark.parametrize("name", ["badam", "badam+frugal"])
-def test_badam_rows_give_the_layers_blocks_the_matrix_lr(name):
+def test_badam_rows_give_the_layers_blocks_the_matrix_lr_and_take_their_k(name):
     model = LlamaForCausalLM(TINY.model_config(256))
     opt = demo.OPTIMIZERS[name].make(model, dataclasses.replace(TINY, lr=1e-2,
-                                                                matrix_lr_ratio=0.25))
+                                                                matrix_lr_ratio=0.25,
+                                                                badam_switch_every=7))
     lrs = {g["block"]: g["lr"] for g in opt.param_groups}
     assert lrs.pop("embedding") == lrs.pop("head") == 1e-2
     assert lrs and set(lrs.values()) == {2.5e-3}
+    assert opt.switch_every == 7
 
 
 def test_progress_lines_off_a_terminal_and_nothing_when_quiet(corpus, capsys):
@@ -639,16 +642,16 @@ def test_rows_far_from_the_first_are_explained():
         "- Untuned (+10.00%): beyond 5%."]
 
 
-def test_badam_row_says_it_is_a_fine_tuning_method_and_holds_its_peak_state(tmp_path,
-                                                                             monkeypatch):
-    monkeypatch.setattr(registry, "BADAM_SWITCH_EVERY", 2)
-    config = dataclasses.replace(TINY, steps=6, eval_every=3)
+def test_badam_row_says_it_is_a_fine_tuning_method_and_holds_its_peak_state(tmp_path):
+    config = dataclasses.replace(TINY, steps=6, eval_every=3, badam_switch_every=2)
     metrics = demo.run_demo(config, ["adamw", "badam"], out=tmp_path / "b", progress=False,
                             tuned=False)
     run = metrics["runs"]["badam"]
-    # The tiny preset's 2 layers, the embedding and the head: 4 blocks.
+    # The tiny preset's 2 layers, the embedding and the head: 4 blocks, 2 steps each.
+    assert run["label"] == "BAdam K=2"
     assert run["note"].startswith("BAdam is a fine-tuning method: it trains one block of 4 at "
-                                  "a time")
+                                  "a time (the embedding, each of the 2 layers, the head; "
+                                  "K = 2 steps each)")
     s = run["summary"]
     assert s["max_state_bytes"] == max(st["state_bytes"] for st in run["steps"]) > 0
     header, rows = report._rows(metrics)

@@ -34,10 +34,10 @@ __all__ = ["BADAM_SWITCH_EVERY", "DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "O
 UPDATE_GAP = 100
 
 # BAdam's blocks on the demo model ("small": 4 layers) are the embedding, the layers and the
-# head: 6 blocks. Switching every 20 steps gives the 200 steps 10 switches, so every block
-# trains at least once; the published default (K = 100 on runs of thousands of steps) would
-# leave four of the six blocks untrained.
-BADAM_SWITCH_EVERY = 20
+# head: 6 blocks. Switching every 20 steps (TrainConfig.badam_switch_every's default) gives
+# the 200 steps 10 switches, so every block trains at least once; the published default
+# (K = 100 on runs of thousands of steps) would leave four of the six blocks untrained.
+BADAM_SWITCH_EVERY = TrainConfig.badam_switch_every
 
 
 @dataclass(frozen=True)
@@ -113,13 +113,13 @@ def _adafrugal(model, config: TrainConfig) -> AdaFRUGAL:
 
 def _badam(model, config: TrainConfig) -> BAdam:
     return _with_matrix_lr(BAdam(model, lr=config.lr, weight_decay=config.weight_decay,
-                                 switch_every=BADAM_SWITCH_EVERY, include_embedding=True,
+                                 switch_every=config.badam_switch_every, include_embedding=True,
                                  include_head=True, seed=config.seed), config)
 
 
 def _badam_frugal(model, config: TrainConfig) -> BAdam:
     return _with_matrix_lr(BAdam(model, lr=config.lr, weight_decay=config.weight_decay,
-                                 switch_every=BADAM_SWITCH_EVERY, include_embedding=True,
+                                 switch_every=config.badam_switch_every, include_embedding=True,
                                  include_head=True, seed=config.seed, inner="frugal",
                                  density=0.25, projection="columns"), config)
 
@@ -204,9 +204,14 @@ def _badam_note(run: dict[str, Any]) -> str:
     layers = LlamaConfig.from_preset(run["config"]["model"]).num_layers
     blocks = layers + 2  # the embedding, every layer, the head
     return (f"BAdam is a fine-tuning method: it trains one block of {blocks} at a time (the "
-            f"embedding, each of the {layers} layers, the head; K = {BADAM_SWITCH_EVERY} "
+            f"embedding, each of the {layers} layers, the head; K = {_switch_every(run)} "
             f"steps each), so in pretraining from scratch each weight trains for about "
             f"1/{blocks} of the steps; its place is fine-tuning a trained model")
+
+
+def _switch_every(run: dict[str, Any]) -> int:
+    # Runs recorded before the option existed ran at the default.
+    return run["config"].get("badam_switch_every", BADAM_SWITCH_EVERY)
 
 
 _DQT_NOTE = ("DQT keeps the matrices only as {bits} codes: every update is rounded "
@@ -244,10 +249,13 @@ OPTIMIZERS: dict[str, DemoOptimizer] = {
                                         budget_from="adafrugal",
                                         describe=_rho_reached("AdaFRUGAL+governor")),
     "badam": DemoOptimizer(f"BAdam K={BADAM_SWITCH_EVERY}", "tab:green", _badam,
+                           describe=lambda run: f"BAdam K={_switch_every(run)}",
                            note=_badam_note),
     # BAdam's tuned lrs where no sweep covered it.
     "badam+frugal": DemoOptimizer(f"BAdam+FRUGAL K={BADAM_SWITCH_EVERY} rho=0.25", "limegreen",
                                   _badam_frugal, tuned_as="badam",
+                                  describe=lambda run: f"BAdam+FRUGAL K={_switch_every(run)} "
+                                                       "rho=0.25",
                                   note=lambda run: _badam_note(run) + "; FRUGAL runs inside "
                                                    "the active block"),
     **_dqt_rows(),

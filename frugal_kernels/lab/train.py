@@ -86,6 +86,9 @@ class TrainConfig:
     replaces that fraction of the training documents with low-value text
     (:func:`~frugal_kernels.lab.corpus.add_noise`) when the data is loaded from ``data``.
 
+    ``badam_switch_every`` is BAdam's K, the steps each block trains before the next (the
+    demo's BAdam rows; other optimizers ignore it).
+
     ``parallel`` spreads the run over the processes of an initialized default process
     group (``torchrun``): ``"ddp"`` (DistributedDataParallel) or ``"fsdp"`` (FSDP2's
     ``fully_shard`` on every decoder layer and the whole model). ``batch_size`` is then
@@ -124,9 +127,10 @@ class TrainConfig:
     candidates: int = 2
     select_reference_steps: int = 50
     data_noise: float = 0.0
+    badam_switch_every: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_batches"):
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "badam_switch_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.seq_len < 2:
