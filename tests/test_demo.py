@@ -461,18 +461,24 @@ def test_demo_prints_run_k_of_n_with_the_time_so_far_and_left(tmp_path, capsys):
     assert lines[1].startswith("run 2 of 2: FRUGAL rho=0.25 (") and " left)" in lines[1]
 
 
-def test_a_folder_with_results_is_never_overwritten_without_overwrite(tmp_path, capsys):
+@pytest.mark.parametrize("command, results", [
+    (["demo", "--optimizers", "adamw"], "metrics.json"),
+    (["train", "--optimizer", "adamw"], "metrics.json"),
+    (["sweep", "--optimizers", "adamw", "--lrs", "1e-3", "--matrix-lr-ratios", "1",
+      "--seeds", "0"], "sweep.json")], ids=lambda c: c[0] if isinstance(c, list) else None)
+def test_a_folder_with_results_is_never_overwritten_without_overwrite(command, results,
+                                                                      tmp_path, capsys):
     out = tmp_path / "same"
-    argv = ["demo", "--optimizers", "adamw", "--steps", "2", "--out", str(out), *TINY_ARGS]
+    argv = [*command, "--steps", "2", "--out", str(out), *TINY_ARGS]
     assert main(argv) == 0
-    first = (out / "metrics.json").read_text()
+    first = (out / results).read_text()
     capsys.readouterr()
     assert main(argv) == 0
-    assert (out / "metrics.json").read_text() == first
-    assert (tmp_path / "same-2" / "metrics.json").exists()
+    assert (out / results).read_text() == first
+    assert (tmp_path / "same-2" / results).exists()
     assert f"writing to {tmp_path / 'same-2'} instead" in capsys.readouterr().err
     assert main([*argv, "--overwrite"]) == 0
-    assert (out / "metrics.json").read_text() != first
+    assert (out / results).read_text() != first
     assert not (tmp_path / "same-3").exists()
 
 
@@ -522,10 +528,12 @@ def test_bad_data_is_one_line_and_status_2(command, tmp_path, capsys):
         assert len(lines) == 1 and "error: --data" in lines[0] and fragment in lines[0], lines
 
 
-def test_a_hugging_face_source_without_datasets_is_refused(monkeypatch, capsys):
+@pytest.mark.parametrize("command", [["demo"], ["train"], ["sweep", "--lrs", "1e-3"]],
+                         ids=lambda c: c[0])
+def test_a_hugging_face_source_without_datasets_is_refused(command, monkeypatch, capsys):
     import sys as _sys
     monkeypatch.setitem(_sys.modules, "datasets", None)  # as if not installed
-    assert _status(["demo", "--data", "hf:wikitext", *TINY_ARGS]) == 2
+    assert _status([*command, "--data", "hf:wikitext", *TINY_ARGS]) == 2
     line = capsys.readouterr().err.strip()
     assert "needs the optional package datasets" in line and "\n" not in line
 
