@@ -393,8 +393,8 @@ class BAdam(FusedOptimizer):
         sub = Subspace(group, self.state, self._generator, 1.0, {}, self._layouts)
         return (DENSE if self.inner == "frugal" else DENSE_MASTER).assign(sub, i, p)
 
-    def _end_tensor_steps(self) -> None:
-        super()._end_tensor_steps()
+    def end_tensor_steps(self) -> None:
+        super().end_tensor_steps()
         self._switch_if_due()
 
     # ---------------------------------------------------------------- schedule

@@ -86,7 +86,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         # The plan's bias-correction step counts, one packed tensor per device.
         self._steps: Dict[torch.device, Tensor] = {}
         self._steps_plan: Optional[List[Bucket]] = None  # the plan self._steps counts for
-        # While _begin_tensor_steps chooses subspaces: the gradients are still to come.
+        # While begin_tensor_steps chooses subspaces: the gradients are still to come.
         self._grads_arriving = False
         # A step in backward: each tensor's own bucket, and where each tensor is.
         self._tensor_buckets: Dict[Tensor, Bucket] = {}
@@ -343,23 +343,23 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         return self._lr_tensors[gi]
 
     # ---------------------------------------------------------- steps in backward
-    # frugal_kernels.step_in_backward drives one step as these calls: _begin_tensor_steps
-    # once, _step_tensor for each tensor as backward completes its gradient, and
-    # _end_tensor_steps once backward is done. Each tensor takes the update the ordinary
+    # frugal_kernels.step_in_backward drives one step as these calls: begin_tensor_steps
+    # once, step_tensor for each tensor as backward completes its gradient, and
+    # end_tensor_steps once backward is done. Each tensor takes the update the ordinary
     # step gives it, from the same pieces: _before_plan's changes, _assign's rule and a
     # plan bucket holding that one tensor, run by plan.run.
 
-    def _tensor_steps_refused(self) -> Optional[str]:
+    def tensor_steps_refused(self) -> Optional[str]:
         """Why this optimizer, as set up now, cannot step its tensors one at a time (None
         when it can). Every policy can: under ``nonfinite="skip"`` the step in backward
         skips each tensor whose gradient is non-finite (frugal_kernels.optim.in_backward)."""
         return None
 
-    def _begin_tensor_steps(self) -> None:
+    def begin_tensor_steps(self) -> None:
         """The part of a step that needs no gradient, before its first tensor: the groups'
         checks, the step count and subspace changes, the lr tensors. A choice that reads a
         gradient (svd's subspace) waits for its tensor's (``Subspace.arriving``)."""
-        reason = self._tensor_steps_refused()
+        reason = self.tensor_steps_refused()
         if reason is not None:
             raise ValueError(f"{type(self).__name__} cannot step in backward: {reason}")
         for gi, group in enumerate(self.param_groups):
@@ -380,7 +380,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
         self._tensor_index = {p: (gi, i) for gi, group in enumerate(self.param_groups)
                               for i, p in enumerate(group["params"])}
 
-    def _step_tensor(self, p: Tensor) -> None:
+    def step_tensor(self, p: Tensor) -> None:
         """Update ``p`` with its gradient, complete now, as the ordinary step would."""
         gi, i = self._tensor_index[p]
         if not self._group_steps(gi):
@@ -400,7 +400,7 @@ class FusedOptimizer(FrugalOptimizer, Optimizer):
             bucket.rng_step = self._rng_step()
         plan.run(bucket, [g], self.backend)
 
-    def _end_tensor_steps(self) -> None:
+    def end_tensor_steps(self) -> None:
         """After the step's last tensor."""
         self._after_plan()
 

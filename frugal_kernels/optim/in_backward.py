@@ -20,10 +20,8 @@ optimizer and training loop with ``Tensor.register_post_accumulate_grad_hook``:
   (a closure, an LR scheduler's check); ``zero_grad()`` keeps its meaning, and
   after a step in backward there is no gradient left for it to clear.
 
-An optimizer joins by having four methods (FusedOptimizer's are the model):
-``_tensor_steps_refused()`` (why it cannot step in backward, or None),
-``_begin_tensor_steps()``, ``_step_tensor(p)`` (``p.grad`` is complete) and
-``_end_tensor_steps()``. A swapped torch optimizer gets them from
+An optimizer joins by having the four methods of :class:`TensorSteps`
+(FusedOptimizer's are the model). A swapped torch optimizer gets them from
 :func:`frugal_kernels.optim.swap.tensor_steps`.
 
 Non-finite gradients: the ordinary step's ``nonfinite="skip"`` (the default)
@@ -51,7 +49,7 @@ import functools
 import time
 import types
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -60,7 +58,7 @@ from torch.optim import Optimizer
 from frugal_kernels.optim import swap as _swap
 from frugal_kernels.optim.engine import check_int, check_number, first_nonfinite
 
-__all__ = ["CLIP_SCOPES", "StepInBackward", "step_in_backward", "handle_of"]
+__all__ = ["CLIP_SCOPES", "StepInBackward", "TensorSteps", "step_in_backward", "handle_of"]
 
 # Where a step in backward keeps its handle on the optimizer instance.
 _HANDLE = "_frugal_step_in_backward"
@@ -140,9 +138,37 @@ def handle_of(optimizer: Optimizer) -> Optional["StepInBackward"]:
     return optimizer.__dict__.get(_HANDLE)
 
 
-def _tensor_steps_of(optimizer: Optimizer):
+@runtime_checkable
+class TensorSteps(Protocol):
+    """What :func:`step_in_backward` drives: one optimizer step as these calls, in order.
+
+    - ``tensor_steps_refused()``: why this optimizer, as configured, cannot step inside
+      backward (a message), or None; asked when the step in backward is set up.
+    - ``begin_tensor_steps()``: once per step, at the first gradient of the backward
+      that completes it: the checks and counts the ordinary step makes before its first
+      update (a raise here leaves everything as it was).
+    - ``step_tensor(p)``: ``p.grad`` is complete; update ``p`` (and its state) as the
+      ordinary step would.
+    - ``end_tensor_steps()``: once backward is done: the work that needs every tensor
+      stepped (BAdam's block switch).
+
+    Every :class:`~frugal_kernels.optim.engine.FusedOptimizer` (FRUGAL, AdaFRUGAL, DQT,
+    BAdam) implements it; an optimizer of a user's that does joins the step in backward
+    as they do.
+    """
+
+    def tensor_steps_refused(self) -> Optional[str]: ...
+
+    def begin_tensor_steps(self) -> None: ...
+
+    def step_tensor(self, p: Tensor) -> None: ...
+
+    def end_tensor_steps(self) -> None: ...
+
+
+def _tensor_steps_of(optimizer: Optimizer) -> TensorSteps:
     """What steps ``optimizer``'s tensors one at a time (see the module docstring)."""
-    if callable(getattr(optimizer, "_step_tensor", None)):
+    if isinstance(optimizer, TensorSteps):
         return optimizer
     if _swap.is_swapped(optimizer):
         return _swap.tensor_steps(optimizer)
@@ -194,7 +220,7 @@ class StepInBackward:
             raise ValueError("this optimizer already steps in backward; remove() that handle "
                              "first")
         steps = _tensor_steps_of(optimizer)
-        reason = steps._tensor_steps_refused()
+        reason = steps.tensor_steps_refused()
         if reason is not None:
             raise ValueError(f"{type(optimizer).__name__} cannot step in backward: {reason}")
         params = _params(optimizer)
@@ -354,7 +380,7 @@ class StepInBackward:
             self._stepping = True
             self.step_seconds = 0.0
             with _timed(self), torch.no_grad():
-                self._tensor_steps._begin_tensor_steps()
+                self._tensor_steps.begin_tensor_steps()
 
     def _count_grad(self, p: Tensor) -> None:
         nbytes = p.grad.untyped_storage().nbytes()
@@ -377,7 +403,7 @@ class StepInBackward:
             self._step_skips += 1
         else:
             with _timed(self), torch.no_grad():
-                self._tensor_steps._step_tensor(p)
+                self._tensor_steps.step_tensor(p)
         self._stepped.add(p)
         p.grad = None
         self._live_bytes -= self._live_grads.pop(p, 0)
@@ -413,7 +439,7 @@ class StepInBackward:
             if self._step_skips:
                 self._record_skips(self._step_skips)
             with _timed(self), torch.no_grad():
-                self._tensor_steps._end_tensor_steps()
+                self._tensor_steps.end_tensor_steps()
         finally:
             self._finish_step()
         self.steps += 1

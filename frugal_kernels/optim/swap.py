@@ -230,17 +230,17 @@ class _TensorSteps:
         """The swap's policy, which the step in backward applies per tensor."""
         return self._record.nonfinite
 
-    def _tensor_steps_refused(self):
+    def tensor_steps_refused(self):
         return None
 
-    def _begin_tensor_steps(self) -> None:
+    def begin_tensor_steps(self) -> None:
         _check_new_groups(self.optimizer, self._record)
         for gi, group in enumerate(self.optimizer.param_groups):
             _check_options(self.optimizer, group, f"param group {gi}")
         self._index = {p: (gi, i) for gi, group in enumerate(self.optimizer.param_groups)
                        for i, p in enumerate(group["params"])}
 
-    def _step_tensor(self, p: Tensor) -> None:
+    def step_tensor(self, p: Tensor) -> None:
         gi, i = self._index[p]
         check_tensor_step(gi, i, p, self._record.nonfinite)
         if p.dtype is not torch.float32:
@@ -249,7 +249,7 @@ class _TensorSteps:
         prepared = _prepare(self.optimizer, self._record, gi, group, [(i, p)], whole=False)
         _apply(self.optimizer, self._record, group, [p], False, *prepared, None, None)
 
-    def _end_tensor_steps(self) -> None:
+    def end_tensor_steps(self) -> None:
         pass
 
 

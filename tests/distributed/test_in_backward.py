@@ -58,12 +58,12 @@ def train(config, bucket_view, k, rank, world, in_backward):
     where = []  # of each tensor's update: inside DDP's communication hook or not
     if handle is not None:
         tensor_steps = handle._tensor_steps
-        step_tensor = tensor_steps._step_tensor
+        step_tensor = tensor_steps.step_tensor
 
         def recorded(p):
             where.append(any(f.name == "_ddp_comm_hook" for f in traceback.extract_stack()))
             step_tensor(p)
-        tensor_steps._step_tensor = recorded
+        tensor_steps.step_tensor = recorded
     per_rank = BATCH // world
     grads_left = False
     for step in micro_batches(k):

@@ -16,6 +16,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 import frugal_kernels as fk
 from frugal_kernels.optim.in_backward import handle_of
@@ -617,3 +618,50 @@ def test_a_swapped_optimizers_tensors_keep_their_calls_in_backward(kind, options
         ref.zero_grad()
     assert len(made) == builds * len(params)
     assert_same(values(params), values(ref_params))
+
+
+class _PlainSGD(torch.optim.Optimizer):
+    """A user's optimizer that joins the step in backward through the public protocol."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+        self.calls = []
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+    def tensor_steps_refused(self):
+        return None
+
+    def begin_tensor_steps(self):
+        self.calls.append("begin")
+
+    def step_tensor(self, p):
+        self.calls.append("tensor")
+        p.data.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+    def end_tensor_steps(self):
+        self.calls.append("end")
+
+
+def test_an_optimizer_with_the_public_protocol_steps_in_backward():
+    model, ordinary = nn.Linear(3, 2), nn.Linear(3, 2)
+    ordinary.load_state_dict(model.state_dict())
+    opt, reference = _PlainSGD(model.parameters(), 0.1), _PlainSGD(ordinary.parameters(), 0.1)
+    assert isinstance(opt, fk.optim.TensorSteps)
+    handle = fk.step_in_backward(opt)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(x).square().sum().backward()
+        assert all(p.grad is None for p in model.parameters())
+        ordinary(x).square().sum().backward()
+        reference.step()
+        reference.zero_grad()
+    assert handle.steps == 2
+    assert opt.calls == ["begin", "tensor", "tensor", "end"] * 2
+    for p, q in zip(model.parameters(), ordinary.parameters()):
+        assert torch.equal(p, q)
+    handle.remove()
