@@ -142,9 +142,12 @@ def test_the_finetune_demo_from_the_command_line(tmp_path, capsys):
     assert any(d["action"] == "decay" for d in governed["decisions"])
     assert "Forgetting" in printed and "FLOPs vs its twin" in printed
     assert "Forgetting" in (out / "table.md").read_text()
-    # The second run finds the base in the cache (--overwrite: the same --out).
-    assert main(argv[:-2] + ["adamw", "--overwrite"]) == 0
-    assert not json.loads((out / "metrics.json").read_text())["base"]["built"]
+    # The second run finds the base in the cache (--overwrite: the same --out); its rows
+    # are labelled as the demo's, from what the run did.
+    assert main(argv[:-2] + ["badam", "--badam-switch-every", "3", "--overwrite"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert not metrics["base"]["built"]
+    assert metrics["runs"]["badam"]["label"] == "BAdam K=3"
 
 
 @pytest.mark.parametrize("argv, fragment", [

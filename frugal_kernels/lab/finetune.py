@@ -291,15 +291,13 @@ def run_finetune(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_
         results[name] = train(named_config, entry.make, model=model, data=data,
                               name=entry.label, progress=progress)
         forgetting[name] = _evaluate(model, base_val)
-    metrics = demo.collect_metrics(config, data, {}, time.perf_counter() - started)
+    metrics = demo.collect_metrics(config, data, results, time.perf_counter() - started,
+                                   tuned=records, rows=ROWS)
     metrics["task"] = "finetune"
     metrics["base"] = {**record, "data": {"source": base_data.source, "digest": base_data.digest,
                                           "train_tokens": len(base_data.train)}}
-    metrics["runs"] = {
-        name: {"label": ROWS[name].label, "color": ROWS[name].color,
-               "budget_from": ROWS[name].budget_from, "tuned": records.get(name),
-               "forgetting": forgetting[name], **result.to_dict()}
-        for name, result in results.items()}
+    for name, run in metrics["runs"].items():
+        run["forgetting"] = forgetting[name]
     files = demo.write(metrics, out, "finetune")
     # table.md with the forgetting and the governors' savings (demo.write wrote the demo's).
     (out / "table.md").write_text(table(metrics) + "\n")

@@ -205,8 +205,8 @@ def _badam_note(run: dict[str, Any]) -> str:
     blocks = layers + 2  # the embedding, every layer, the head
     return (f"BAdam is a fine-tuning method: it trains one block of {blocks} at a time (the "
             f"embedding, each of the {layers} layers, the head; K = {_switch_every(run)} "
-            f"steps each), so in pretraining from scratch each weight trains for about "
-            f"1/{blocks} of the steps; its place is fine-tuning a trained model")
+            f"steps each), so each weight trains for about 1/{blocks} of the steps: from "
+            f"scratch that leaves it far behind, and a trained model needs fewer updates")
 
 
 def _switch_every(run: dict[str, Any]) -> int:
