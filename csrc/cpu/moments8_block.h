@@ -11,9 +11,39 @@
 #include "kernels.h"
 #include "loops.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace frugal {
 namespace cpu {
 namespace FK_CPU_ISA {
+
+#if defined(__AVX2__)
+// moment_code of 8 lanes of a block whose scale is > 0, as int32: the product rounded
+// half to even (rintf's default mode), a NaN to 0, then clamped; the same values as the
+// scalar code, where the compiler's version of it (a select per step and a truncating
+// int8 conversion, a mask and a permute per 8 lanes) was half the op's time.
+inline __m256i code_lanes(__m256 x, __m256 inverse, __m256 low, __m256 top) {
+  __m256 q = _mm256_round_ps(_mm256_mul_ps(x, inverse),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q));
+  q = _mm256_min_ps(_mm256_max_ps(q, low), top);
+  return _mm256_cvtps_epi32(q);
+}
+
+// The codes of 32 consecutive values, packed to bytes with saturation (exact: they are
+// in range) and put back in order (the packs work within 128-bit halves).
+inline __m256i codes32(const float* x, __m256 inverse, __m256 low, __m256 top, bool is_signed) {
+  const __m256i a = code_lanes(_mm256_loadu_ps(x), inverse, low, top);
+  const __m256i b = code_lanes(_mm256_loadu_ps(x + 8), inverse, low, top);
+  const __m256i c = code_lanes(_mm256_loadu_ps(x + 16), inverse, low, top);
+  const __m256i d = code_lanes(_mm256_loadu_ps(x + 24), inverse, low, top);
+  const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+  const __m256i bytes = is_signed ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
 
 // One block of adamw_int8_ (on a GPU a block would be shared by threads, with a
 // reduction for its maxima): n <= kMomentBlock coordinates of p and g with their
@@ -67,7 +97,21 @@ inline void adamw_int8_block(T* __restrict__ p, const T* __restrict__ g, int8_t*
   // A product by the inverse, not a quotient per element: the block's two divisions
   // by an element's cost about a third of the op's time on the CPU.
   const float m_inv = 1.f / new_ms, v_inv = 1.f / new_vs;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (new_ms > 0.f && new_vs > 0.f) {
+    const __m256 mi = _mm256_set1_ps(m_inv), vi = _mm256_set1_ps(v_inv);
+    const __m256 m_low = _mm256_set1_ps(-127.f), m_top = _mm256_set1_ps(127.f);
+    const __m256 v_low = _mm256_setzero_ps(), v_top = _mm256_set1_ps(255.f);
+    for (; i + 32 <= n; i += 32) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_codes + i),
+                          codes32(m + i, mi, m_low, m_top, true));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_codes + i),
+                          codes32(w + i, vi, v_low, v_top, false));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
     m_codes[i] = int8_t(moment_code(m[i], new_ms, m_inv, -127.f, 127.f));
     v_codes[i] = uint8_t(moment_code(w[i], new_vs, v_inv, 0.f, 255.f));
   }
