@@ -61,7 +61,8 @@ void rows_in_place(const TensorBatch& t, const SubsetBatch& sub, const Moments8B
 }
 
 // The flat positions in p of moment row r's slots (the subset's enumeration), without
-// a division per slot (two int64 divisions per member were a third of a columns step):
+// a division per slot (two int64 divisions per member: without them a columns step took
+// 0.90x (fp32) and 0.81x (bf16) the CPU time):
 // columns: the row's `cols / k` param rows, each with the member columns idx[0..k);
 // rows of a 1-D tensor (C = 1, one moment row): the ids themselves.
 template <typename Index>
