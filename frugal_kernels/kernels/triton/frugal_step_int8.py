@@ -41,12 +41,13 @@ _RECORD = tl.constexpr(12)
 
 
 @triton.jit
-def _is_member(idx_ptr, k, key, valid, steps):
+def _is_member(idx_ptr, k, key, valid, STEPS: tl.constexpr):
     """Whether each ``key`` is in the sorted ``idx[0:k)``: a binary search per lane,
-    ``steps`` (at least log2(k + 1)) halvings."""
+    ``STEPS`` (at least log2(k + 1)) halvings. A compile-time bound (tests/triton_backend/
+    test_loop_bounds.py): one compiled kernel per bit length of the largest subset."""
     lo = tl.zeros(key.shape, tl.int64)
     hi = tl.zeros(key.shape, tl.int64) + k
-    for _ in range(steps):
+    for _ in range(STEPS):
         live = valid & (lo < hi)
         mid = (lo + hi) >> 1
         below = tl.load(idx_ptr + mid, mask=live, other=0).to(tl.int64) < key
@@ -56,10 +57,10 @@ def _is_member(idx_ptr, k, key, valid, steps):
     return found & (tl.load(idx_ptr + lo, mask=found, other=-1).to(tl.int64) == key)
 
 
-@triton.jit(do_not_specialize=["n_tensors", "steps"])
-def _frugal_step_int8_kernel(table, n_tensors, steps, decay, one_minus_beta1, beta2,
+@triton.jit(do_not_specialize=["n_tensors"])
+def _frugal_step_int8_kernel(table, n_tensors, decay, one_minus_beta1, beta2,
                              one_minus_beta2, step_size, bc2_sqrt, eps, sf_step, amp,
-                             P_DTYPE: tl.constexpr, AMP: tl.constexpr,
+                             STEPS: tl.constexpr, P_DTYPE: tl.constexpr, AMP: tl.constexpr,
                              INDEX_DTYPE: tl.constexpr, COLUMNS: tl.constexpr,
                              STATE_FREE: tl.constexpr, SCALARS_IN_KERNEL: tl.constexpr,
                              NB: tl.constexpr, BLOCK: tl.constexpr):
@@ -118,7 +119,7 @@ def _frugal_step_int8_kernel(table, n_tensors, steps, decay, one_minus_beta1, be
             key = position % C
         else:
             key = position // C
-        free = valid & ~_is_member(idx_ptr, k, key, valid, steps)
+        free = valid & ~_is_member(idx_ptr, k, key, valid, STEPS)
         p = from_param(tl.load(p_ptr + position, mask=free, other=0.0))
         g = from_param(tl.load(g_ptr + position, mask=free, other=0.0)) * inv
         tl.store(p_ptr + position, to_param(state_free_update(p, g, decay, sf_step, STATE_FREE),
@@ -166,7 +167,7 @@ def frugal_step_int8_(params: Sequence[Tensor], grads: Sequence[Tensor],
         records.append(pointers + [counts[-1], n, C, k, 1])
     table, grid = launch_table(device, counts, records, NB, tail)
     _frugal_step_int8_kernel[(grid,)](
-        table, len(records), steps, *scalars, amp if use_amp else table,
+        table, len(records), *scalars, amp if use_amp else table, STEPS=steps,
         P_DTYPE=TL_DTYPES[params[0].dtype], AMP=use_amp,
         INDEX_DTYPE=TL_INDEX_DTYPES[indices[items[0]].dtype], COLUMNS=kind == "columns",
         STATE_FREE=STATE_FREE_CODES[state_free], SCALARS_IN_KERNEL=bool(scalars_in_kernel),
