@@ -28,7 +28,7 @@ def _unscaled(g: Tensor, grad_scale: Optional[float]) -> Tensor:
     return g32 * inverse_grad_scale(torch.tensor(grad_scale, dtype=torch.float64))
 
 
-__all__ = ["adamw_", "adamw_int8_", "quantize_moment", "dequantize_moment", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
+__all__ = ["adamw_", "adamw_int8_", "quantize_moment", "dequantize_moment", "sign_sgd_", "sgd_", "frugal_step_", "frugal_step_int8_", "lowrank_step_", "lowrank_adamw_step_",
            "dqt_update_", "dequantize", "quant_matmul", "grad_norm", "linear_cross_entropy"]
 
 
@@ -311,6 +311,55 @@ def frugal_step_(
             new_p[..., idx] = full_p
         else:
             new_p.view(-1)[idx] = full_p
+        p.copy_(new_p)
+
+
+@torch.no_grad()
+def frugal_step_int8_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    exp_avg_sq_scales: Sequence[Tensor],
+    indices: Sequence[Tensor],
+    *,
+    kind: str,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+    state_free: str = "sign",
+    state_free_scale: float = 1.0,
+    grad_scale: Optional[float] = None,
+    found_inf: Optional[float] = None,
+) -> None:
+    """:func:`frugal_step_` with the subset's moments as 8-bit codes: the compact
+    moments (shape ``(k, *p.shape[1:])`` for rows, ``(*p.shape[:-1], k)`` for columns)
+    are codes with block scales along their own rows (:func:`quantize_moment`), and the
+    state-full coordinates take :func:`adamw_int8_`'s update on them."""
+    if found_inf:
+        return
+    if kind not in ("rows", "columns"):
+        raise ValueError(f"frugal_step_int8_ takes kind 'rows' or 'columns', not {kind!r}")
+    for p, g, mq, ms, vq, vs, idx in zip(params, grads, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                                         exp_avg_sq_scales, indices):
+        p32, g32 = p.float(), _unscaled(g, grad_scale)
+        idx = idx.long()
+        if kind == "rows":
+            full_p, full_g = p32[idx], g32[idx]
+        else:
+            full_p, full_g = p32[..., idx].contiguous(), g32[..., idx].contiguous()
+        adamw_int8_([full_p], [full_g], [mq], [ms], [vq], [vs], lr=lr, beta1=beta1, beta2=beta2,
+                    eps=eps, weight_decay=weight_decay, step=step)
+        new_p = _state_free_update(p32, g32, lr=lr, weight_decay=weight_decay,
+                                   scale=state_free_scale, state_free=state_free)
+        if kind == "rows":
+            new_p[idx] = full_p
+        else:
+            new_p[..., idx] = full_p
         p.copy_(new_p)
 
 

@@ -295,6 +295,24 @@ struct Moments8 {
         throw py::value_error("Moments8Batch: rows * cols is not the tensor's size");
       }
     }
+    return batch();
+  }
+
+  // The moments of a frugal_step_int8_ call: each holds the coordinates of its
+  // tensor's subset (k rows or k columns of the tensor's [R, C] matrix).
+  Moments8Batch view(const Batch& b, const Subsets& s) const {
+    check_count("Moments8Batch exp_avgs", exp_avgs.size(), b.numel.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int64_t size = s.kind == SubsetKind::kRows ? s.k[i] * s.cols[i] : s.rows[i] * s.k[i];
+      if (rows[i] * cols[i] != size) {
+        throw py::value_error("Moments8Batch: rows * cols is not the size of the subset's state");
+      }
+    }
+    return batch();
+  }
+
+ private:
+  Moments8Batch batch() const {
     return Moments8Batch{exp_avgs.data(), exp_avg_scales.data(), exp_avg_sqs.data(),
                          exp_avg_sq_scales.data(), rows.data(), cols.data()};
   }
@@ -455,6 +473,14 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           cpu::frugal_step(t, sub, b.dtype, h, num_threads);
         });
+  m.def("frugal_step_int8_cpu", [](const Batch& b, const Subsets& s, const Moments8& q,
+                                   const FrugalHyper& h, int num_threads) {
+    const TensorBatch t = b.view();
+    const SubsetBatch sub = s.view(b);
+    const Moments8Batch mq = q.view(b, s);
+    py::gil_scoped_release nogil;
+    cpu::frugal_step_int8(t, sub, mq, b.dtype, h, num_threads);
+  });
   // up_updates / up_grads: the fp32 back-projections, one per tensor.
   m.def("lowrank_step_cpu", [](const Batch& b, const Addresses& up_updates,
                                const Addresses& up_grads, const LowrankHyper& h, int num_threads) {

@@ -582,6 +582,120 @@ FRUGAL_STEP = OpInfo(
     isa_variants=({"state_free": "sign"}, {"state_free": "sgd"}),
 )
 
+# ---------------------------------------------------------------- frugal_step_int8_
+
+# (kind, shape): rows walked in place (2-D, 3-D) and gathered (1-D), columns of rows
+# shorter and longer than a quantization block of 256, of a 3-D tensor and of a 1-D one.
+FRUGAL_INT8_CASES = [
+    ("rows", (37, 300)),
+    ("rows", (4097,)),
+    ("rows", (5, 3, 70)),
+    ("columns", (37, 130)),
+    ("columns", (5, 3000)),
+    ("columns", (3, 4, 500)),
+    ("columns", (700,)),
+]
+
+
+def frugal_int8_case(kind, shape, dtype, density, seed, index_dtype=torch.int64):
+    """(params, grads, m codes, m scales, v codes, v scales, indices) of one tensor: the
+    moments of frugal_case quantized."""
+    params, grads, _, _, idx = frugal_case(kind, shape, dtype, density, seed, index_dtype)
+    st = state_shape(params[0], kind, idx[0].numel())
+    return (params, grads, *int8_moments([torch.empty(st)], seed), idx)
+
+
+def _frugal_int8(kind, shape, density, seed, index_dtype=torch.int64, **options):
+    """A sample maker; ``shape`` may depend on the backend (a callable)."""
+    def make(dtype, backend):
+        s = shape(backend) if callable(shape) else shape
+        return (frugal_int8_case(kind, s, dtype, density, seed, index_dtype),
+                {**FRUGAL_HYPER, "kind": kind, **options})
+    return make
+
+
+def _frugal_int8_many(dtype, backend):
+    shapes = [(7, 9), (0, 5), (300, 40), (1, 1), (64, 700), (2, 0)]
+    lists = [[] for _ in range(7)]
+    for i, shape in enumerate(shapes):
+        for lst, part in zip(lists, frugal_int8_case("columns", shape, dtype, 0.5, seed=i)):
+            lst += part
+    return tuple(lists), {**FRUGAL_HYPER, "kind": "columns"}
+
+
+def _frugal_int8_errors():
+    def case(name, change, error, match, shape_kind="rows", **overrides):
+        def make():
+            args = frugal_int8_case(shape_kind, (12, 300), torch.float32, 0.5, seed=11)
+            return change(*args), {**FRUGAL_HYPER, "kind": shape_kind, "step": 1, **overrides}
+        return ErrorInput(name, make, error, match)
+
+    def flat(p, g, m, ms, v, vs, idx):
+        return p, g, m, ms, v, vs, [torch.arange(3)]
+
+    same = (lambda *a: a)
+    return (
+        case("flat refused", flat, ValueError, "blocks would straddle the tensor's rows",
+             kind="flat"),
+        case("kind", same, ValueError, "kind must be one of", kind="diagonal"),
+        case("fp32 moments", lambda p, g, m, ms, v, vs, idx: (p, g, [x.float() for x in m], ms,
+                                                             v, vs, idx),
+             TypeError, "exp_avgs[0] has dtype"),
+        case("scale shape", lambda p, g, m, ms, v, vs, idx: (p, g, m, ms, v, [vs[0][:, :1]], idx),
+             ValueError, "exp_avg_sq_scales[0] has shape (6, 1) but must have shape (6, 2)"),
+        case("codes of the whole tensor",
+             lambda p, g, m, ms, v, vs, idx: (p, g, [torch.zeros(12, 300, dtype=torch.int8)], ms,
+                                              v, vs, idx),
+             ValueError, "exp_avgs[0] has shape (12, 300) but must have shape (6, 300)"),
+        case("rows state for columns", same, ValueError,
+             "exp_avgs[0] has shape (6, 300) but must have shape (12, 6)", kind="columns"),
+        case("index range", lambda p, g, m, ms, v, vs, idx: (p, g, m, ms, v, vs, [idx[0] + 12]),
+             ValueError, "must be in [0, 12)"),
+        case("unsorted", lambda p, g, m, ms, v, vs, idx: (p, g, m, ms, v, vs, [idx[0].flip(0)]),
+             ValueError, "sorted and unique"),
+        case("lists", lambda p, g, m, ms, v, vs, idx: (p, g, m, ms[:0], v, vs, idx), ValueError,
+             "0 exp_avg_scales"),
+        case("step 0", same, ValueError, "step counts updates from 1", step=0),
+    )
+
+
+def _frugal_int8_opcheck(kind):
+    def make():
+        return (*frugal_int8_case(kind, (9, 300), torch.float32, 0.4, seed=12), kind,
+                torch.tensor(1e-3), 0.9, 0.999, 1e-8, 0.01, torch.tensor(2.0), "sign", 1.0,
+                *grad_scaler_args(), "auto")
+    return make
+
+
+FRUGAL_STEP_INT8 = OpInfo(
+    name="frugal_step_int8_", op=ops.frugal_step_int8_, ref=reference.frugal_step_int8_,
+    outputs=("params", "exp_avgs", "exp_avg_scales", "exp_avg_sqs", "exp_avg_sq_scales"),
+    output_positions=(0, 2, 3, 4, 5), num_lists=7,
+    samples=(
+        *(SampleInput(f"{kind}{shape}", _frugal_int8(kind, shape, 0.25, seed=sum(shape)),
+                      steps=3)
+          for kind, shape in FRUGAL_INT8_CASES),
+        *(SampleInput(f"{kind} density={density} {str(index_dtype).replace('torch.', '')}",
+                      _frugal_int8(kind, (33, 270), density, 7, index_dtype), steps=2,
+                      dtypes=FP32)
+          for kind in ("rows", "columns") for density in (0.0, 1.0, 0.6)
+          for index_dtype in (torch.int32, torch.int64)),
+        *(SampleInput(f"{kind} state_free={rule}",
+                      _frugal_int8(kind, (40, 300), 0.3, 8, state_free=rule,
+                                   state_free_scale=0.25), steps=2, dtypes=FP32)
+          for rule in STATE_FREE_RULES for kind in ("rows", "columns")),
+        *(SampleInput(f"{kind} large", _frugal_int8(kind, _large_shape, 0.25, 9), dtypes=FP32)
+          for kind in ("rows", "columns")),
+        SampleInput("columns, many tensors, mixed sizes and empty", _frugal_int8_many, steps=5,
+                    dtypes=(torch.bfloat16,)),
+    ),
+    error_inputs=_frugal_int8_errors(),
+    opcheck_inputs=tuple((kind, _frugal_int8_opcheck(kind)) for kind in ("rows", "columns")),
+    empty_kwargs={**FRUGAL_HYPER, "kind": "rows", "step": 1},
+    compare=compare_exact, counts_steps=True, tensor_scalar_sample="rows(37, 300)",
+    isa_variants=({"state_free": "sign"}, {"state_free": "sgd"}),
+)
+
 # ---------------------------------------------------------------- lowrank_step_
 
 LOWRANK_HYPER = dict(lr=1e-2, weight_decay=0.1, state_free_scale=0.5)
@@ -959,7 +1073,8 @@ DQT_UPDATE = OpInfo(
     grad_position=2,
 )
 
-OPS = (ADAMW, ADAMW_INT8, SIGN_SGD, SGD, FRUGAL_STEP, LOWRANK_STEP, LOWRANK_ADAMW_STEP, DQT_UPDATE)
+OPS = (ADAMW, ADAMW_INT8, SIGN_SGD, SGD, FRUGAL_STEP, FRUGAL_STEP_INT8, LOWRANK_STEP,
+       LOWRANK_ADAMW_STEP, DQT_UPDATE)
 
 # The ops outside the table: out of place and not optimizer steps (no lists, no lr
 # or step), which the generic tests do not fit; each gets the table's checks

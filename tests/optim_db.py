@@ -180,20 +180,25 @@ def _other_state_dtype(sd: dict) -> None:
         group["state_dtype"] = "fp32"
 
 
-# FRUGAL's blocks with 8-bit moments (state_dtype="int8"): the whole-tensor AdamW state
-# of the projected and the unprojected groups through ops.adamw_int8_.
-OPTIMIZERS = OPTIMIZERS + (
+def _frugal_int8(projection: str):
+    def factory(inputs, **options):
+        return _frugal(projection)(inputs, state_dtype="int8", **options)
+    return factory
+
+
+# FRUGAL with 8-bit moments (state_dtype="int8"): the whole-tensor AdamW state of blocks
+# and of the unprojected group through ops.adamw_int8_, the rows and columns subsets'
+# compact state through ops.frugal_step_int8_.
+OPTIMIZERS = OPTIMIZERS + tuple(
     OptimizerInfo(
-        name="FRUGAL-blocks-int8", make_model=_int8_params,
-        factory=lambda inputs, **options: _frugal("blocks")(inputs, state_dtype="int8",
-                                                            **options),
+        name=f"FRUGAL-{projection}-int8", make_model=_int8_params,
+        factory=_frugal_int8(projection),
         variants=_RESET_VARIANTS, resumed_attributes=_RESUMED,
-        misfits=_frugal_misfits("blocks") + (
+        misfits=_frugal_misfits(projection) + (
             Misfit("other state_dtype", _other_state_dtype, "state_dtype='fp32'"),),
-        compile_graphs=1, compile_options=_COMPILE_OPTIONS["blocks"],
+        compile_graphs=1, compile_options=_COMPILE_OPTIONS.get(projection, {}),
         in_backward_options=_IN_BACKWARD,
-    ),
-)
+    ) for projection in ("blocks", "rows", "columns"))
 
 
 def _layered_model(seed: int) -> Model:
@@ -249,7 +254,8 @@ def _int8_layered_model(seed: int) -> Model:
 
 
 # BAdam with 8-bit moments (state_dtype="int8"): the active block's AdamW state, and
-# inner="frugal"'s whole-tensor state (projection="blocks"), through ops.adamw_int8_.
+# inner="frugal"'s whole-tensor state (projection="blocks") through ops.adamw_int8_ or its
+# columns subsets' state through ops.frugal_step_int8_.
 OPTIMIZERS = OPTIMIZERS + tuple(
     OptimizerInfo(name=name, make_model=_int8_layered_model,
                   factory=_badam("random", state_dtype="int8", **inner),
@@ -261,7 +267,10 @@ OPTIMIZERS = OPTIMIZERS + tuple(
                   in_backward_options=_IN_BACKWARD)
     for name, inner in (("BAdam-int8", {}),
                         ("BAdam-frugal-int8", dict(inner="frugal", density=0.5,
-                                                   projection="blocks", update_gap=3))))
+                                                   projection="blocks", update_gap=3)),
+                        ("BAdam-frugal-columns-int8", dict(inner="frugal", density=0.5,
+                                                           projection="columns",
+                                                           update_gap=3))))
 
 
 def _quant_model(seed: int) -> Model:

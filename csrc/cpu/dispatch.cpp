@@ -20,6 +20,8 @@ struct Level {
   void (*sign_sgd)(const TensorBatch&, DType, const SignScalars&, int);
   void (*sgd)(const TensorBatch&, DType, const SgdScalars&, int);
   void (*frugal_step)(const TensorBatch&, const SubsetBatch&, DType, const FrugalScalars&, int);
+  void (*frugal_step_int8)(const TensorBatch&, const SubsetBatch&, const Moments8Batch&, DType,
+                           const FrugalScalars&, int);
   void (*lowrank_step)(const TensorBatch&, const float* const*, const float* const*, DType,
                        const SignScalars&, StateFree, int);
   void (*lowrank_adamw_step)(const TensorBatch&, const LowrankBatch&, DType, const FrugalScalars&,
@@ -45,7 +47,7 @@ bool has_avx512() {
 #endif
 
 #define FK_LEVEL(ns, supported) \
-  Level { #ns, supported, ns::adamw, ns::adamw_int8, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::lowrank_step, \
+  Level { #ns, supported, ns::adamw, ns::adamw_int8, ns::sign_sgd, ns::sgd, ns::frugal_step, ns::frugal_step_int8, ns::lowrank_step, \
         ns::lowrank_adamw_step, ns::dqt_update, ns::dequantize, ns::grad_norm }
 
 const Level kLevels[] = {
@@ -138,6 +140,12 @@ void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, cons
                  int num_threads) {
   if (h.adamw.found_inf != 0.0) return;
   active().frugal_step(t, sub, dtype, frugal_scalars(h), num_threads);
+}
+
+void frugal_step_int8(const TensorBatch& t, const SubsetBatch& sub, const Moments8Batch& q,
+                      DType dtype, const FrugalHyper& h, int num_threads) {
+  if (h.adamw.found_inf != 0.0) return;
+  active().frugal_step_int8(t, sub, q, dtype, frugal_scalars(h), num_threads);
 }
 
 void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,

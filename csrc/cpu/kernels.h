@@ -23,6 +23,8 @@ namespace cpu {
   void sgd(const TensorBatch& t, DType dtype, const SgdScalars& s, int num_threads);          \
   void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype,                 \
                    const FrugalScalars& s, int num_threads);                                  \
+  void frugal_step_int8(const TensorBatch& t, const SubsetBatch& sub, const Moments8Batch& q,   \
+                        DType dtype, const FrugalScalars& s, int num_threads);                \
   void lowrank_step(const TensorBatch& t, const float* const* up_updates,                     \
                     const float* const* up_grads, DType dtype, const SignScalars& s,          \
                     StateFree mode, int num_threads);                                         \
@@ -64,6 +66,11 @@ void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, int num_
 void sgd(const TensorBatch& t, DType dtype, const SgdHyper& h, int num_threads);
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                  int num_threads);
+// frugal_step with the subset's moments as 8-bit codes (frugal/moments8.h): `q` holds
+// them, each seen as the [rows, cols] of its compact state's shape (the batch's own
+// moment pointers are unread).
+void frugal_step_int8(const TensorBatch& t, const SubsetBatch& sub, const Moments8Batch& q,
+                      DType dtype, const FrugalHyper& h, int num_threads);
 // The elementwise part of a low-rank FRUGAL step (the GEMMs run in torch):
 // p = (p * decay - lr * scale * rule(g - up_grad)) + up_update, fp32 buffers.
 void lowrank_step(const TensorBatch& t, const float* const* up_updates, const float* const* up_grads,

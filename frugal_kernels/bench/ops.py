@@ -134,6 +134,40 @@ def _frugal_step_cases(params, dtype, rho):
     return cases
 
 
+@register("frugal_step_int8_")
+def _frugal_step_int8_cases(params, dtype, rho):
+    grads = _like(params)
+    gen = torch.Generator().manual_seed(1)  # frugal_step_'s subsets
+    size = params[0].element_size()
+    cases = []
+    for kind in ("rows", "columns"):
+        indices, moments = [], [[], [], [], []]
+        for p in params:
+            dim = subset_dim(p, kind)
+            idx = subspace_choice.choose_subset(dim, subspace_choice.subset_size(rho, dim), gen, p.device)
+            indices.append(idx)
+            shape = subset_state_shape(p, kind, idx.numel())
+            scales = MomentBlocks(shape).scale_shape
+            for lst, s, code in zip(moments, (shape, scales, shape, scales),
+                                    (torch.int8, torch.float32, torch.uint8, torch.float32)):
+                lst.append(torch.zeros(s, dtype=code, device=p.device))
+        full = sum(x.numel() for x in moments[0])
+        scale_bytes = sum(x.numel() for x in moments[1]) * 2 * 4
+        n = sum(p.numel() for p in params)
+        index_bytes = sum(i.numel() * i.element_size() for i in indices)
+
+        def run(backend, indices=indices, moments=moments, kind=kind):
+            return lambda: ops.frugal_step_int8_(params, grads, *moments, indices, kind=kind,
+                                                 lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                                                 weight_decay=0.01, step=10, backend=backend,
+                                                 check_indices=False)
+        # frugal_step_'s bytes with two 1-byte codes read and written per state-full
+        # coordinate (4 B where fp32 moments move 16) and their scales.
+        cases.append(OpCase("frugal_step_int8_", kind,
+                            n * 3 * size + full * 4 + 2 * scale_bytes + index_bytes, run))
+    return cases
+
+
 @register("lowrank_step_")
 def _lowrank_step_cases(params, dtype, rho):
     grads = _like(params)

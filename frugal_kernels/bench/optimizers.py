@@ -160,6 +160,11 @@ def state_bytes(model: nn.Module) -> List[dict]:
         "FRUGAL blocks rho=0.25": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25, **hyper),
         "FRUGAL columns rho=0.25": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25,
                                                      projection="columns", **hyper),
+        **{f"FRUGAL {projection} rho=0.25 int8": (
+            lambda projection=projection: fk.FRUGAL(fk.param_groups(model), density=0.25,
+                                                    projection=projection, state_dtype="int8",
+                                                    **hyper))
+           for projection in ("blocks", "rows", "columns")},
         "FRUGAL rho=0": lambda: fk.FRUGAL(fk.param_groups(model), density=0.0, **hyper),
         "AdaFRUGAL start (rho=0.25)": lambda: fk.AdaFRUGAL(fk.param_groups(model), rho_start=0.25,
                                                            rho_end=0.05, rho_steps=2, update_gap=1,

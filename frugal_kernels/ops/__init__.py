@@ -10,6 +10,8 @@ backends (``cpu``, ``cuda``, ``triton``, ``torch``; see DESIGN.md section 3):
 - :func:`sgd_` — torch.optim.SGD: momentum, dampening, Nesterov, L2 weight decay;
 - :func:`frugal_step_` — the fused FRUGAL update: AdamW on a state-full subset
   of rows, columns or coordinates with compact moments, SignSGD elsewhere;
+- :func:`frugal_step_int8_` — the same for rows and columns subsets with the subset's
+  moments as 8-bit codes and block scales (as ``adamw_int8_`` stores them);
 - :func:`lowrank_step_` — the weight update of FRUGAL's low-rank projections:
   back-projections, the state-free rule on the residual and weight decay;
 - :func:`lowrank_adamw_step_` — a whole low-rank FRUGAL step (projection, AdamW
@@ -32,8 +34,8 @@ accept Python numbers or tensors for ``lr`` and ``step`` and pick the backend.
 
 from types import SimpleNamespace
 
-from frugal_kernels.ops import (adamw, adamw_int8, dqt_update, frugal_step, lowrank_adamw_step, lowrank_step,
-                                sgd, sign_sgd)
+from frugal_kernels.ops import (adamw, adamw_int8, dqt_update, frugal_step, frugal_step_int8,
+                                lowrank_adamw_step, lowrank_step, sgd, sign_sgd)
 from frugal_kernels.ops._dispatch import (BACKENDS, CAPABILITIES, SIZE_LIMITS, implements,
                                          kernel_backend, resolve, usable_backends,
                                          worth_calling)
@@ -42,6 +44,7 @@ from frugal_kernels.ops.adamw_int8 import adamw_int8_
 from frugal_kernels.ops.dequantize import dequantize
 from frugal_kernels.ops.dqt_update import dqt_update_
 from frugal_kernels.ops.frugal_step import frugal_step_
+from frugal_kernels.ops.frugal_step_int8 import frugal_step_int8_
 from frugal_kernels.ops.grad_norm import grad_norm
 from frugal_kernels.ops.linear_cross_entropy import linear_cross_entropy
 from frugal_kernels.ops.lowrank_adamw_step import lowrank_adamw_step_
@@ -51,8 +54,9 @@ from frugal_kernels.ops.sgd import sgd_
 from frugal_kernels.ops.sign_sgd import sign_sgd_
 
 # Every in-place op's declaration (frugal_kernels.ops._spec), by name.
-SPECS = {m.SPEC.name: m.SPEC for m in (adamw, adamw_int8, sign_sgd, sgd, frugal_step, lowrank_step,
-                                       lowrank_adamw_step, dqt_update)}
+SPECS = {m.SPEC.name: m.SPEC for m in (adamw, adamw_int8, sign_sgd, sgd, frugal_step,
+                                       frugal_step_int8, lowrank_step, lowrank_adamw_step,
+                                       dqt_update)}
 
 # What the optimizers' plans call once a bucket's call was checked: each op's body
 # without its metadata checks and torch.library's dispatch (``unchecked.<op>``), and
@@ -64,7 +68,7 @@ unchecked = SimpleNamespace(**{name: spec.unchecked for name, spec in SPECS.item
                             **{f"prepare_{name}": spec.prepare for name, spec in SPECS.items()
                                if spec.prepares})
 
-__all__ = ["adamw_", "adamw_int8_", "sign_sgd_", "sgd_", "frugal_step_", "lowrank_step_", "lowrank_adamw_step_",
+__all__ = ["adamw_", "adamw_int8_", "sign_sgd_", "sgd_", "frugal_step_", "frugal_step_int8_", "lowrank_step_", "lowrank_adamw_step_",
            "dqt_update_", "dequantize", "quant_matmul", "grad_norm", "linear_cross_entropy",
            "BACKENDS", "CAPABILITIES", "SPECS", "unchecked",
            "SIZE_LIMITS", "implements", "kernel_backend", "resolve", "usable_backends",

@@ -156,9 +156,10 @@ class BAdam(FusedOptimizer):
             fp32 scale per block of 256 elements along each tensor's rows), as
             FRUGAL's ``state_dtype``: tensors of fewer than 4096 elements and 1-D
             tensors keep fp32 moments. With ``inner="frugal"`` it takes
-            ``projection="blocks"`` (the other projections' fused steps take fp32
-            moments). A checkpoint loads only into a BAdam of its own
-            ``state_dtype``.
+            ``projection="blocks"``, ``"rows"`` or ``"columns"`` (the subsets' compact
+            state through :func:`frugal_kernels.ops.frugal_step_int8_`); ``"randk"``
+            and the low-rank projections take fp32 moments. A checkpoint loads only
+            into a BAdam of its own ``state_dtype``.
 
     bf16 / fp16 parameters get an fp32 master copy for the active block only
     (``state["master"]``, 4 bytes per active parameter beside the 8 of the moments,
@@ -831,10 +832,9 @@ def _check_state_dtype(group: dict, where: str, inner: str) -> None:
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{where}: state_dtype must be one of {', '.join(STATE_DTYPES)}; got "
                          f"{state_dtype!r}")
-    if state_dtype == "int8" and inner == "frugal" and group["projection"] != "blocks":
-        raise ValueError(f"{where}: state_dtype='int8' keeps 8-bit moments for whole tensors "
-                         "(inner='adamw', or inner='frugal' with projection='blocks'); the "
-                         f"fused step of projection={group['projection']!r} takes fp32 moments")
+    if inner == "frugal":
+        plan.check_int8_projection(state_dtype, group["projection"], where,
+                                   "inner='adamw', or inner='frugal' with projection='blocks'")
 
 
 def _check_switch_every(value: Any) -> None:

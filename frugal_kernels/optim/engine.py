@@ -542,7 +542,8 @@ def check_saved_state(saved: dict, p: Tensor, pid: Any, family: Projection) -> N
 
 def _check_saved_moment_dtypes(saved: dict, p: Tensor, pid: Any) -> None:
     """fp32 moments, or 8-bit codes (int8 exp_avg, uint8 exp_avg_sq) with fp32 block scales
-    of the parameter's blocks (``ops.adamw_int8_``), and nothing of the other kind."""
+    of the codes' blocks (``ops.adamw_int8_``, ``ops.frugal_step_int8_``), and nothing of
+    the other kind."""
     m, v = saved["exp_avg"], saved["exp_avg_sq"]
     scale_keys = ("exp_avg_scale", "exp_avg_sq_scale")
     if m.dtype not in (torch.float32, torch.int8):
@@ -556,7 +557,8 @@ def _check_saved_moment_dtypes(saved: dict, p: Tensor, pid: Any) -> None:
         if any(key in saved for key in scale_keys):
             raise ValueError(f"state of param {pid}: block scales beside float32 moments")
         return
-    want = MomentBlocks(p.shape).scale_shape
+    # The blocks of the codes' own shape: the parameter's, or a subset's compact state.
+    want = MomentBlocks(m.shape).scale_shape
     for key in scale_keys:
         scale = saved.get(key)
         if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != want:

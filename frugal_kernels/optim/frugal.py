@@ -12,7 +12,7 @@ from frugal_kernels._layout import STATE_DTYPES, STATE_FREE_RULES
 from frugal_kernels._shard import local
 from frugal_kernels.optim.engine import FusedOptimizer, check_adamw_options, check_int, check_number
 from frugal_kernels.optim.memory import release_freed_memory
-from frugal_kernels.optim.plan import Assignment
+from frugal_kernels.optim.plan import Assignment, check_int8_projection
 from frugal_kernels.optim.projections import DENSE, FAMILIES, Projection, Subspace
 from frugal_kernels.optim.subspace_choice import BLOCK_ORDERS, PROJECTIONS
 
@@ -107,8 +107,12 @@ class FRUGAL(FusedOptimizer):
             (:func:`frugal_kernels.ops.adamw_int8_`: 8-bit codes with an fp32 scale
             per block of 256 elements along each tensor's rows, about a quarter of the
             bytes), for the whole tensors of ``projection="blocks"`` and the groups
-            that are not projected; tensors of fewer than 4096 elements and 1-D
-            tensors keep fp32 moments. A checkpoint loads only into an optimizer of
+            that are not projected, and for the compact state of the ``"rows"`` and
+            ``"columns"`` subsets (:func:`frugal_kernels.ops.frugal_step_int8_`, its
+            blocks along the compact state's rows); tensors of fewer than 4096
+            elements and 1-D tensors keep fp32 moments. ``projection="randk"`` and
+            the low-rank projections refuse ``"int8"`` (randk's state is one row
+            spread over the tensor's rows: its blocks would straddle them). A checkpoint loads only into an optimizer of
             its own ``state_dtype``.
 
     Example::
@@ -267,16 +271,17 @@ class FRUGAL(FusedOptimizer):
     def _assign(self, gi: int, group: dict, i: int, p: Tensor) -> Assignment:
         assignment = self._family(group).assign(self._subspace(gi, group), i, p)
         old = self._carried.pop(p, None)
-        if old is not None and assignment.rule in ("adamw", "adamw_int8", "subset"):
+        if old is not None and assignment.rule in ("adamw", "adamw_int8", "subset",
+                                                    "subset_int8"):
             # from_optimizer: the state-full part of the AdamW moments, before the plan
             # buckets the tensor by its (carried) bias-correction step.
             st = self.state[p]
-            kind = assignment.subset_kind if assignment.rule == "subset" else None
+            kind = assignment.subset_kind if assignment.rule.startswith("subset") else None
             for key in ("exp_avg", "exp_avg_sq"):
                 # A DTensor's moments (FSDP2): the local block holds this rank's rows,
                 # which the local ids index.
                 moment = _gather(local(old[key]), st.get("indices"), kind)
-                if assignment.rule == "adamw_int8":
+                if assignment.rule in ("adamw_int8", "subset_int8"):
                     codes, scales = reference.quantize_moment(moment, key == "exp_avg_sq")
                     st[key].copy_(codes)
                     st[key + "_scale"].copy_(scales)
@@ -533,7 +538,6 @@ def _check_group(group: dict, where: str, read_device: bool = False) -> None:
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{where}: state_dtype must be one of {', '.join(STATE_DTYPES)}; got "
                          f"{state_dtype!r}")
-    if state_dtype == "int8" and group.get("projected") and group["projection"] != "blocks":
-        raise ValueError(f"{where}: state_dtype='int8' keeps 8-bit moments for whole tensors "
-                         "(projection='blocks' and the groups that are not projected); the "
-                         f"fused step of projection={group['projection']!r} takes fp32 moments")
+    if group.get("projected"):
+        check_int8_projection(state_dtype, group["projection"], where,
+                              "projection='blocks' and the groups that are not projected")

@@ -43,7 +43,8 @@ unchecked = ops.unchecked
 __all__ = ["ADAMW", "ADAMW_INT8", "ADAMW_INT8_MASTER", "ADAMW_MASTER", "INT8_MIN_NUMEL",
            "SGD", "SGD_FIRST",
            "STATE_FREE", "Assignment", "Bucket", "RUNNERS", "adamw_assignment", "build",
-           "ensure_moments", "stores_int8",
+           "ensure_moments", "stores_int8", "subset_int8", "check_int8_projection",
+           "INT8_PROJECTIONS",
            "release", "run", "signature", "single", "pack_step_counters"]
 
 
@@ -56,6 +57,8 @@ class Assignment:
     rows, columns or flat coordinates in ``state["indices"]``, the state-free
     rule elsewhere) or ``"lowrank"`` (AdamW in the span of
     ``state["projection"]``, the state-free rule on the residual);
+    ``"subset_int8"`` is ``"subset"`` (rows or columns only) on 8-bit moments of the
+    compact state (``ops.frugal_step_int8_``, the keys of ``"adamw_int8"``);
     ``"adamw_int8"`` is ``"adamw"`` on 8-bit moments (``ops.adamw_int8_``: codes in
     ``exp_avg`` / ``exp_avg_sq``, their block scales in ``exp_avg_scale`` /
     ``exp_avg_sq_scale``), either with torch.optim.Adam's coupled weight decay when
@@ -140,6 +143,39 @@ def stores_int8(group: dict, p: Tensor) -> bool:
     """Whether ``p`` (of ``group``; a DTensor's global shape decides) keeps 8-bit moments."""
     return (group.get("state_dtype", "fp32") == "int8" and p.dim() >= 2
             and p.numel() >= INT8_MIN_NUMEL)
+
+
+def subset_int8(group: dict, p: Tensor, subset_kind: str) -> bool:
+    """Whether ``p``'s rows or columns subset keeps 8-bit moments: the tensors
+    :func:`stores_int8` picks, with the compact state's blocks along its rows, which are
+    the tensor's rows (rows: the member rows; columns: every row's members), so that a
+    row-sharded tensor holds whole blocks. A flat (randk) subset never does."""
+    return subset_kind in ("rows", "columns") and stores_int8(group, p)
+
+
+# The projections whose groups may take state_dtype="int8": whole tensors (blocks) and the
+# rows / columns subsets (ops.frugal_step_int8_).
+INT8_PROJECTIONS = ("blocks", "rows", "columns")
+
+
+def check_int8_projection(state_dtype: str, projection: str, where: str,
+                          unprojected: str) -> None:
+    """Raise a ValueError when ``state_dtype`` asks for 8-bit moments with a projection
+    that has none (``unprojected`` names the settings that hold whole-tensor moments)."""
+    if state_dtype != "int8":
+        return
+    if projection == "randk":
+        raise ValueError(
+            f"{where}: state_dtype='int8' is not available with projection='randk': 8-bit "
+            "moments are cut into blocks along the rows of the compact state, and randk's "
+            "state is one row of coordinates spread over every row of the tensor, so its "
+            "blocks would straddle the tensor's rows and the state would change with the "
+            "sharding; use projection='rows', 'columns' or 'blocks' with int8, or "
+            "state_dtype='fp32' with randk")
+    if projection not in INT8_PROJECTIONS:
+        raise ValueError(f"{where}: state_dtype='int8' keeps 8-bit moments for whole tensors "
+                         f"({unprojected}) and for the rows and columns subsets; the fused "
+                         f"step of projection={projection!r} takes fp32 moments")
 
 
 def ensure_moments(st: dict, shape, device: torch.device, int8: bool = False) -> None:
@@ -403,6 +439,25 @@ def _subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
                        check_indices=False, **hyper)
 
 
+def _subset_int8(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    kind = bucket.assignment.subset_kind
+    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"],
+                 state_free=group["state_free"], state_free_scale=group["state_free_lr_scale"],
+                 **amp)
+    moments = [[st[key] for st in bucket.states]
+               for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
+    indices = [st["indices"] for st in bucket.states]
+    if calls is unchecked:
+        _prepared(bucket, lambda: unchecked.prepare_frugal_step_int8_(
+            params, *moments, indices, kind=kind, backend=backend))(grads, **hyper)
+        return
+    calls.frugal_step_int8_(params, grads, *moments, indices, kind=kind, backend=backend,
+                            check_indices=False, **hyper)
+
+
 def _subsets(bucket: Bucket):
     """The moments and state-full indices of a subset bucket's tensors."""
     states, m, v, _ = _moments(bucket)
@@ -554,6 +609,7 @@ RUNNERS: Dict[str, Callable[[Bucket, List[Tensor], List[Tensor], str, Any, dict]
     "adamw_int8_master": _on_masters(_adamw_int8),
     "state_free": _state_free,
     "subset": _subset,
+    "subset_int8": _subset_int8,
     "lowrank": _lowrank,
     "dqt_adamw": _dqt_adamw,
     "dqt_state_free": _dqt_state_free,

@@ -29,7 +29,7 @@ from typing import Dict, Mapping, MutableMapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from frugal_kernels import ops
+from frugal_kernels import ops, reference
 from frugal_kernels._layout import (LEFT, MomentBlocks, lowrank_dim, lowrank_side, lowrank_state_shape,
                                     matrix_shape, projection_rank, projection_shapes, subset_dim,
                                     subset_state_shape)
@@ -37,7 +37,7 @@ from frugal_kernels._shard import RowShard, is_sharded, local
 from frugal_kernels.optim import subspace_choice
 from frugal_kernels.optim.plan import (ADAMW_INT8, ADAMW_INT8_MASTER, ADAMW_MASTER, STATE_FREE,
                                        Assignment, adamw_assignment, ensure_moments,
-                                       stores_int8)
+                                       stores_int8, subset_int8)
 from frugal_kernels.optim.sharding import SHARDED_KEYS
 
 __all__ = ["DENSE", "DENSE_MASTER", "FAMILIES", "Blocks", "CoordinateSubset", "Dense",
@@ -232,9 +232,11 @@ class CoordinateSubset(Projection):
     def assign(self, sub: Subspace, i: int, p: Tensor) -> Assignment:
         st = sub.state[p]
         subset_kind = self._subset_kind(p)
+        int8 = subset_int8(sub.group, p, subset_kind)
         ensure_moments(st, subset_state_shape(local(p), subset_kind, st["indices"].numel()),
-                       p.device)
-        return Assignment("subset", subset_kind=subset_kind, index_dtype=st["indices"].dtype)
+                       p.device, int8=int8)
+        return Assignment("subset_int8" if st["exp_avg"].dtype == torch.int8 else "subset",
+                          subset_kind=subset_kind, index_dtype=st["indices"].dtype)
 
     def global_state(self, st: dict, p: Tensor, layout: RowShard) -> dict:
         per_row = self._per_row(p, layout)
@@ -250,7 +252,10 @@ class CoordinateSubset(Projection):
             k = ids.numel()
             sources = layout.owned_ranges(ids, per_row)
             targets = [(o, o + n) for o, n in layout.chunks(k)]
-            for key in ("exp_avg", "exp_avg_sq"):
+            # 8-bit moments' scales are rows of the compact state too (one per member row).
+            for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+                if key not in st:
+                    continue
                 block = layout.move_rows(st[key], sources, targets)
                 out[key] = layout.to_dtensor(block, (k, *st[key].shape[1:]))
         return out
@@ -264,7 +269,7 @@ class CoordinateSubset(Projection):
         lo, hi = layout.own_range(ids, per_row)
         out = {key: value.clone() for key, value in saved.items() if key == "step"}
         out["indices"] = (ids[lo:hi] - layout.offset * per_row).clone()
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
             value = saved.get(key)
             if value is None:
                 continue
@@ -278,7 +283,8 @@ class CoordinateSubset(Projection):
         return out
 
     def _global_shape(self, key: str, value: Tensor, st: dict, p: Tensor) -> Tuple[int, ...]:
-        return subset_state_shape(p, self._subset_kind(p), st["indices"].numel())
+        shape = subset_state_shape(p, self._subset_kind(p), st["indices"].numel())
+        return MomentBlocks(shape).scale_shape if key.endswith("_scale") else shape
 
     def fits(self, saved: dict, p: Tensor) -> bool:
         return "indices" in saved and tuple(saved["exp_avg"].shape) == subset_state_shape(
@@ -301,7 +307,15 @@ class CoordinateSubset(Projection):
 
 def _carry_moments(st: dict, indices: Tensor, shape, dim: int) -> None:
     """reset_state=False: coordinates in both the old and the new subset keep their
-    moments, new ones start at zero."""
+    moments, new ones start at zero. 8-bit moments are carried as the fp32 moments their
+    codes stand for and quantized again in their new blocks."""
+    if "exp_avg_scale" in st:
+        for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
+            st[key] = reference.dequantize_moment(st[key], st.pop(key + "_scale"), second)
+        _carry_moments(st, indices, shape, dim)
+        for key, second in (("exp_avg", False), ("exp_avg_sq", True)):
+            st[key], st[key + "_scale"] = reference.quantize_moment(st[key], second)
+        return
     old, new = st["indices"].long(), indices.long()
     if old.numel() == 0:
         src = dst = torch.empty(0, dtype=torch.long, device=new.device)

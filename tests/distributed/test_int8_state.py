@@ -35,9 +35,16 @@ class Net(nn.Module):
         return self.out(self.norm(torch.tanh(self.big(x))))
 
 
-def optimizer(model):
-    return fk.FRUGAL([{"params": list(model.parameters()), "projected": False}], lr=1e-2,
-                     weight_decay=0.1, state_dtype="int8")
+def optimizer(model, projection=None):
+    """Every tensor unprojected (AdamW on 8-bit moments), or the big weight's rows or
+    columns subset (half of them) with 8-bit compact moments beside the others' AdamW."""
+    if projection is None:
+        return fk.FRUGAL([{"params": list(model.parameters()), "projected": False}], lr=1e-2,
+                         weight_decay=0.1, state_dtype="int8")
+    rest = [p for p in model.parameters() if p is not model.big.weight]
+    return fk.FRUGAL([{"params": [model.big.weight]}, {"params": rest, "projected": False}],
+                     lr=1e-2, weight_decay=0.1, density=0.5, projection=projection,
+                     update_gap=100, seed=3, state_dtype="int8")
 
 
 def batches():
@@ -71,7 +78,7 @@ def params_of(model):
             for p in model.parameters()]
 
 
-def _rank(rank, world, init_method, out):
+def _rank(rank, world, init_method, out, projection):
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
@@ -87,50 +94,61 @@ def _rank(rank, world, init_method, out):
 
     results = {}
     model = sharded(0)
-    opt = optimizer(model)
+    opt = optimizer(model, projection)
     train(model, opt, 0, CUT, rank, world)
     save(model, opt, os.path.join(out, "two"))
     results["at_cut"] = whole(opt.state_dict()["state"])
     st = opt.state[model.big.weight]
     results["local"] = {k: (v.dtype, tuple(v.shape)) for k, v in st.items()}
+    results["local_k"] = st["indices"].numel() if "indices" in st else None
     train(model, opt, CUT, STEPS, rank, world)
     results["params"] = params_of(model)
     # 1 -> 2: the test process saved after CUT steps; the loaded state is its state.
     model = sharded(5)
-    opt = optimizer(model)
+    opt = optimizer(model, projection)
     load(model, opt, os.path.join(out, "one"))
     results["loaded_from_one"] = whole(opt.state_dict()["state"])
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=[None, "rows", "columns"],
+                ids=["unprojected", "rows", "columns"])
+def runs(request, tmp_path_factory):
+    projection = request.param
     out = str(tmp_path_factory.mktemp("int8"))
     model = Net()
-    opt = optimizer(model)
+    opt = optimizer(model, projection)
     train(model, opt, 0, CUT)
     single = {"state": {k: {n: t.clone() for n, t in v.items()}
                         for k, v in opt.state_dict()["state"].items()}}
     save(model, opt, os.path.join(out, "one"))
     train(model, opt, CUT, STEPS)
     single["params"] = params_of(model)
-    mp.spawn(_rank, args=(2, rendezvous(out), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, rendezvous(out), out, projection), nprocs=2, join=True)
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]
-    return out, single, ranks
+    return out, single, ranks, projection
 
 
 def test_each_rank_holds_the_codes_and_scales_of_its_rows(runs):
-    _, _, ranks = runs
+    _, _, ranks, projection = runs
     for rank, rows in zip(ranks, (32, 31)):
         local = rank["local"]
-        assert local["exp_avg"] == (torch.int8, (rows, 300))
-        assert local["exp_avg_sq"] == (torch.uint8, (rows, 300))
-        assert local["exp_avg_scale"] == local["exp_avg_sq_scale"] == (torch.float32, (rows, 2))
+        # Its rows (unprojected), its member rows (rows: the subset's ids in its rows),
+        # or its rows of the 150 member columns.
+        codes = {None: (rows, 300), "rows": (rank["local_k"], 300),
+                 "columns": (rows, 150)}[projection]
+        per_row = 1 if projection == "columns" else 2
+        assert local["exp_avg"] == (torch.int8, codes)
+        assert local["exp_avg_sq"] == (torch.uint8, codes)
+        assert local["exp_avg_scale"] == local["exp_avg_sq_scale"] == \
+            (torch.float32, (codes[0], per_row))
+    if projection == "rows":
+        assert 0 < ranks[0]["local_k"] < 32 and 0 < ranks[1]["local_k"] < 31
 
 
 def test_two_ranks_step_as_one_process(runs):
-    _, single, ranks = runs
+    _, single, ranks, _ = runs
     for a, b, c in zip(ranks[0]["params"], ranks[1]["params"], single["params"]):
         assert torch.equal(a, b)
         # The reduction of the gradients over two halves rounds otherwise.
@@ -138,7 +156,7 @@ def test_two_ranks_step_as_one_process(runs):
 
 
 def test_a_checkpoint_of_one_process_loads_on_two_ranks_bit_for_bit(runs):
-    _, single, ranks = runs
+    _, single, ranks, _ = runs
     for rank in ranks:
         loaded = rank["loaded_from_one"]
         assert loaded.keys() == single["state"].keys()
@@ -149,9 +167,9 @@ def test_a_checkpoint_of_one_process_loads_on_two_ranks_bit_for_bit(runs):
 
 
 def test_a_checkpoint_of_two_ranks_loads_in_one_process_bit_for_bit(runs):
-    out, _, ranks = runs
+    out, _, ranks, projection = runs
     model = Net(5)
-    opt = optimizer(model)
+    opt = optimizer(model, projection)
     load(model, opt, os.path.join(out, "two"))
     mine = opt.state_dict()["state"]
     saved = ranks[0]["at_cut"]
@@ -161,4 +179,6 @@ def test_a_checkpoint_of_two_ranks_loads_in_one_process_bit_for_bit(runs):
             assert mine[pid][key].dtype == value.dtype
             assert torch.equal(mine[pid][key], value), (pid, key)
     assert mine[0]["exp_avg"].dtype == torch.int8
-    assert tuple(mine[0]["exp_avg_scale"].shape) == (63, 2)
+    want = {None: (63, 2), "rows": (len(mine[0].get("indices", ())), 2),
+            "columns": (63, 1)}[projection]
+    assert tuple(mine[0]["exp_avg_scale"].shape) == want

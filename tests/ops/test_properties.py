@@ -28,8 +28,8 @@ from frugal_kernels.ops._common import kernel_batch, subset_batch
 
 from frugal_kernels._quant import QUANT_BITS
 
-from ..op_db import (OPS, SampleInput, dqt_case, frugal_case, int8_moments,
-                     lowrank_adamw_case, lowrank_case)
+from ..op_db import (OPS, SampleInput, dqt_case, frugal_case, frugal_int8_case,
+                     int8_moments, lowrank_adamw_case, lowrank_case)
 from .helpers import DTYPES, make_batch
 
 # 1, primes, and 2^k +- 1 around the CPU kernels' block (2048) and chunk (2^15).
@@ -141,6 +141,32 @@ def frugal_step_call(draw, backend):
 
 
 @st.composite
+def frugal_step_int8_call(draw, backend):
+    # Rows and columns subsets of tensors whose compact state's rows fall around the
+    # 256-element quantization block; 1-D tensors too (gathered on the CPU).
+    kind = draw(st.sampled_from(("rows", "columns")))
+    dtype = draw(st.sampled_from(DTYPES))
+    index_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    lists = [[] for _ in range(7)]
+    for i in range(draw(st.integers(1, 3))):
+        rows = draw(st.sampled_from([s for s in SIZES if s <= 300]))
+        cols = draw(st.sampled_from([s for s in SIZES + (256, 512)
+                                     if s * rows <= MAX_NUMEL[backend] // 3]))
+        shape = draw(st.sampled_from([(rows, cols), (rows * cols,), (1, rows, cols)]))
+        density = draw(st.sampled_from([0.0, 0.01, 0.25, 0.5, 0.9, 1.0]))
+        case = frugal_int8_case(kind, shape, dtype, density,
+                                seed=draw(st.integers(0, 99)) + i, index_dtype=index_dtype)
+        for lst, part in zip(lists, case):
+            lst += part
+    hyper = dict(kind=kind, lr=draw(lr()), beta1=draw(st.floats(0.0, 0.99)),
+                 beta2=draw(st.floats(0.9, 0.9999)), eps=draw(st.floats(1e-10, 1e-6)),
+                 weight_decay=draw(st.floats(0.0, 0.2)),
+                 state_free=draw(st.sampled_from(STATE_FREE_RULES)),
+                 state_free_scale=draw(st.floats(0.1, 2.0)))
+    return tuple(lists), hyper, dtype
+
+
+@st.composite
 def lowrank_step_call(draw, backend):
     dtype = draw(st.sampled_from(DTYPES))
     lists = [[], [], [], [], [], []]
@@ -210,7 +236,8 @@ def dqt_update_call(draw, backend):
 
 
 CALLS = {"adamw_": adamw_call, "adamw_int8_": adamw_int8_call, "sign_sgd_": sign_sgd_call, "sgd_": sgd_call,
-         "frugal_step_": frugal_step_call, "lowrank_step_": lowrank_step_call,
+         "frugal_step_": frugal_step_call, "frugal_step_int8_": frugal_step_int8_call,
+         "lowrank_step_": lowrank_step_call,
          "lowrank_adamw_step_": lowrank_adamw_step_call, "dqt_update_": dqt_update_call}
 
 

@@ -1,5 +1,5 @@
 """Triton kernels of the fused ops, one file per op: ``adamw``, ``adamw_int8``,
-``sign_sgd``, ``sgd``, ``frugal_step``, ``lowrank_step``, ``dqt_update``.
+``sign_sgd``, ``sgd``, ``frugal_step``, ``frugal_step_int8``, ``lowrank_step``, ``dqt_update``.
 
 Each file holds the kernel and the host function that packs its launch table
 (``_common``) and launches it once per call for the whole list of tensors;

@@ -50,6 +50,45 @@ def _block_max_bits(x):
     return tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def moments8_tile(p_at, g_at, mq_at, ms_at, vq_at, vs_at, mask, block_ok, inv, decay,
+                  one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                  MAXIMIZE: tl.constexpr):
+    """A tile of ``[NB, 256]`` moment blocks: the codes at ``mq_at`` / ``vq_at`` with the
+    block scales at ``ms_at`` / ``vs_at`` dequantized, AdamW on the coordinates at ``p_at``
+    / ``g_at`` (pointer tiles of the same shape: contiguous for adamw_int8_, gathered for
+    frugal_step_int8_), the new maxima and codes. Returns (new p in fp32, m codes, v codes,
+    m scales, v scales); the caller stores them."""
+    p = from_param(tl.load(p_at, mask=mask, other=0.0))
+    g = from_param(tl.load(g_at, mask=mask, other=0.0)) * inv
+    m = tl.load(mq_at, mask=mask, other=0).to(tl.float32) * \
+        tl.load(ms_at, mask=block_ok, other=0.0)[:, None]
+    t = tl.load(vq_at, mask=mask, other=0).to(tl.float32) * \
+        tl.load(vs_at, mask=block_ok, other=0.0)[:, None]
+    u = t * t
+    v = u * u
+    if MAXIMIZE:
+        g = -g
+    p = p * decay
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + one_minus_beta2 * (g * g)
+    root_v = tl.sqrt_rn(v)
+    denom = tl.div_rn(root_v, bc2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    w = tl.sqrt_rn(root_v)
+    # Lanes past a row's end hold m = w = 0: they leave the maxima as they are.
+    m_scale = tl.div_rn(_block_max_bits(m), 127.0)
+    v_scale = tl.div_rn(_block_max_bits(w), 255.0)
+    # A scale that is not > 0 gives the codes 0 whatever its inverse: 1 keeps the
+    # interpreter's numpy from warning of 1 / 0.
+    one = tl.full(m_scale.shape, 1.0, tl.float32)
+    m_inv = tl.div_rn(one, tl.where(m_scale > 0.0, m_scale, one))
+    v_inv = tl.div_rn(one, tl.where(v_scale > 0.0, v_scale, one))
+    mq = _code(m, m_scale[:, None], m_inv[:, None], -127.0, 127.0)
+    vq = _code(w, v_scale[:, None], v_inv[:, None], 0.0, 255.0)
+    return p, mq, vq, m_scale, v_scale
+
+
 @triton.jit(do_not_specialize=["n_tensors"])
 def _adamw_int8_kernel(table, n_tensors, decay, one_minus_beta1, beta2, one_minus_beta2,
                        step_size, bc2_sqrt, eps, amp, P_DTYPE: tl.constexpr,
@@ -82,33 +121,10 @@ def _adamw_int8_kernel(table, n_tensors, decay, one_minus_beta1, beta2, one_minu
     offs = (b // per_row)[:, None] * cols + col
     mask = block_ok[:, None] & (col < cols)
 
-    p = from_param(tl.load(p_ptr + offs, mask=mask, other=0.0))
-    g = from_param(tl.load(g_ptr + offs, mask=mask, other=0.0)) * inv
-    m = tl.load(mq_ptr + offs, mask=mask, other=0).to(tl.float32) * \
-        tl.load(ms_ptr + b, mask=block_ok, other=0.0)[:, None]
-    t = tl.load(vq_ptr + offs, mask=mask, other=0).to(tl.float32) * \
-        tl.load(vs_ptr + b, mask=block_ok, other=0.0)[:, None]
-    u = t * t
-    v = u * u
-    if MAXIMIZE:
-        g = -g
-    p = p * decay
-    m = m + one_minus_beta1 * (g - m)
-    v = v * beta2 + one_minus_beta2 * (g * g)
-    root_v = tl.sqrt_rn(v)
-    denom = tl.div_rn(root_v, bc2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
-    w = tl.sqrt_rn(root_v)
-    # Lanes past a row's end hold m = w = 0: they leave the maxima as they are.
-    m_scale = tl.div_rn(_block_max_bits(m), 127.0)
-    v_scale = tl.div_rn(_block_max_bits(w), 255.0)
-    # A scale that is not > 0 gives the codes 0 whatever its inverse: 1 keeps the
-    # interpreter's numpy from warning of 1 / 0.
-    one = tl.full(m_scale.shape, 1.0, tl.float32)
-    m_inv = tl.div_rn(one, tl.where(m_scale > 0.0, m_scale, one))
-    v_inv = tl.div_rn(one, tl.where(v_scale > 0.0, v_scale, one))
-    mq = _code(m, m_scale[:, None], m_inv[:, None], -127.0, 127.0)
-    vq = _code(w, v_scale[:, None], v_inv[:, None], 0.0, 255.0)
+    p, mq, vq, m_scale, v_scale = moments8_tile(
+        p_ptr + offs, g_ptr + offs, mq_ptr + offs, ms_ptr + b, vq_ptr + offs, vs_ptr + b, mask,
+        block_ok, inv, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+        MAXIMIZE)
     tl.store(p_ptr + offs, to_param(p, P_DTYPE), mask=mask)
     tl.store(mq_ptr + offs, mq.to(tl.int8), mask=mask)
     tl.store(vq_ptr + offs, vq.to(tl.uint8), mask=mask)

@@ -1,0 +1,152 @@
+"""``frugal::frugal_step_int8_``: the fused FRUGAL update with 8-bit subset moments.
+
+:func:`frugal_step_` for the ``rows`` and ``columns`` subsets, whose compact moments
+(``(k, *p.shape[1:])`` for rows, ``(*p.shape[:-1], k)`` for columns) are kept as the
+8-bit codes and block scales of :func:`adamw_int8_`: the moment matrix is cut into
+blocks of :data:`~frugal_kernels._layout.MOMENT_BLOCK` elements along its own rows
+(:class:`~frugal_kernels._layout.MomentBlocks` of the compact shape). One pass
+dequantizes a block, applies AdamW to its coordinates, quantizes it again and moves
+every other coordinate by the state-free rule.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from frugal_kernels import reference
+from frugal_kernels._extension import extension
+from frugal_kernels._layout import MOMENT_CODE_DTYPES, SUBSET_KINDS, MomentBlocks, subset_state_shape
+from frugal_kernels.ops._common import GatheredBatch, addresses, check_batch, subset_batch
+from frugal_kernels.ops._spec import OpSpec, amp, tensors, text
+from frugal_kernels.ops.adamw import adamw_hyper
+from frugal_kernels.ops.frugal_step import FrugalHyper, check_subsets, state_free_hyper, validate_indices
+from frugal_kernels.ops.prepared import Call
+
+OP = "frugal::frugal_step_int8_"
+
+# Why "flat" (FRUGAL's randk) has no 8-bit form: its compact state is one row of
+# coordinates spread over the whole tensor, so a block of it straddles the tensor's
+# rows and a row-sharded tensor would not hold whole blocks.
+FLAT_REFUSAL = ("8-bit moments are cut into blocks along the rows of the compact state, "
+                "and the flat (randk) state is one row of coordinates spread over every "
+                "row of the tensor: its blocks would straddle the tensor's rows, and the "
+                "state would change with the sharding; use kind 'rows' or 'columns', or "
+                "fp32 moments (frugal_step_)")
+
+
+def _check(op: str, a) -> None:
+    if a.kind == "flat":
+        raise ValueError(f"{op}: kind 'flat' is not supported: {FLAT_REFUSAL}")
+    check_subsets(op, a.params, a.indices, a.kind)
+    check_batch(op, a.params, a.grads, {})
+    n = len(a.params)
+    lists = (("exp_avgs", a.exp_avgs, MOMENT_CODE_DTYPES[0], False),
+             ("exp_avg_scales", a.exp_avg_scales, torch.float32, True),
+             ("exp_avg_sqs", a.exp_avg_sqs, MOMENT_CODE_DTYPES[1], False),
+             ("exp_avg_sq_scales", a.exp_avg_sq_scales, torch.float32, True))
+    for name, items, _, _ in lists:
+        if len(items) != n:
+            raise ValueError(f"{op}: got {n} params but {len(items)} {name}; the lists must "
+                             "have one entry per param")
+    for i, p in enumerate(a.params):
+        state = tuple(subset_state_shape(p, a.kind, a.indices[i].numel()))
+        want_scales = MomentBlocks(state).scale_shape
+        for name, items, dtype, is_scale in lists:
+            t = items[i]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: {name}[{i}] is a {type(t).__name__}, not a "
+                                "torch.Tensor")
+            if t.dtype != dtype:
+                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; it must be {dtype}")
+            if t.device != p.device:
+                raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[{i}] is on "
+                                 f"{p.device}; one call takes tensors on one device")
+            want = want_scales if is_scale else state
+            if tuple(t.shape) != tuple(want):
+                raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but must have "
+                                 f"shape {tuple(want)} (the subset's {a.kind} of params[{i}]"
+                                 f"{', block scales' if is_scale else ''})")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name}[{i}] is not contiguous; the op updates it in "
+                                 "place and needs it contiguous")
+
+
+def _validate(op: str, a) -> None:
+    validate_indices(a.params, a.indices, a.kind, op=op)
+
+
+SPEC = OpSpec("frugal_step_int8_", (
+    tensors("params", written=True), tensors("grads", contiguous=True),
+    tensors("exp_avgs", written=True), tensors("exp_avg_scales", written=True),
+    tensors("exp_avg_sqs", written=True), tensors("exp_avg_sq_scales", written=True),
+    tensors("indices", contiguous=True), text("kind", SUBSET_KINDS),
+    *adamw_hyper(), *state_free_hyper(), *amp(),
+), record=FrugalHyper, check=_check, skip_empty=True, validate=_validate,
+    ext=lambda: extension())
+
+Tensors = SPEC.Tensors
+
+
+@SPEC.prepared("cpu")
+def _prepare_cpu(ext, t) -> Call:
+    batch = GatheredBatch(t.params)
+    subsets = subset_batch(ext, t.params, t.indices, t.kind)
+    blocks = [MomentBlocks(m.shape) for m in t.exp_avgs]
+    moments = ext.Moments8Batch(exp_avgs=addresses(t.exp_avgs),
+                                exp_avg_scales=addresses(t.exp_avg_scales),
+                                exp_avg_sqs=addresses(t.exp_avg_sqs),
+                                exp_avg_sq_scales=addresses(t.exp_avg_sq_scales),
+                                rows=[b.rows for b in blocks], cols=[b.cols for b in blocks])
+
+    def call(grads: List[int], h) -> None:
+        ext.frugal_step_int8_cpu(batch.with_grads(ext, grads), subsets, moments, h.kernel(ext),
+                                 torch.get_num_threads())
+    return call
+
+
+@SPEC.backend("triton")
+def _triton(t, h) -> None:
+    from frugal_kernels.kernels.triton.frugal_step_int8 import frugal_step_int8_ as kernel
+
+    SPEC.call(kernel, t, h.values())
+
+
+@SPEC.backend("torch")
+def _torch(t, h) -> None:
+    SPEC.call(reference.frugal_step_int8_, t, h.on_host())
+
+
+_cpu = SPEC.impls["cpu"]
+
+frugal_step_int8_ = SPEC.register(
+    doc=r'''The fused FRUGAL update of a list of tensors with 8-bit subset moments, in place.
+
+:func:`frugal_step_`'s update for ``kind="rows"`` or ``"columns"``: AdamW on the
+state-full rows or columns named by ``indices``, the ``state_free`` rule on every
+other coordinate, weight decay on all, in one pass. The compact moments of each
+tensor (shape ``(k, *p.shape[1:])`` for rows, ``(*p.shape[:-1], k)`` for columns) are
+stored as :func:`adamw_int8_` stores a tensor's moments, with that compact shape as
+the tensor: int8 codes of the first moment and uint8 codes of the fourth root of the
+second, one fp32 scale per block of 256 elements along the compact state's rows
+(``frugal_kernels._layout.MomentBlocks(state_shape).scale_shape``), rounded half to
+even. Each block is dequantized, updated in fp32 and quantized again in the same
+pass; every backend writes the codes of
+:func:`frugal_kernels.reference.frugal_step_int8_`.
+
+``kind="flat"`` (FRUGAL's randk) is refused: its compact state is one row of
+coordinates spread over the tensor's rows, so its blocks would straddle them.
+
+Args:
+    params, grads, indices, kind, lr, beta1, beta2, eps, weight_decay, step,
+        state_free, state_free_scale, grad_scale, found_inf, backend,
+        check_indices: as :func:`frugal_step_`.
+    exp_avgs, exp_avg_scales: the int8 codes of the first moments (the compact
+        shape) and their fp32 block scales.
+    exp_avg_sqs, exp_avg_sq_scales: the uint8 codes of the second moments and their
+        scales, shaped as those of the first. Zero codes and scales are zero moments.
+
+Raises ValueError / TypeError naming the offending argument before anything
+is written.
+''')
