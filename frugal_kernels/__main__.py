@@ -183,7 +183,8 @@ def _train_config(args: argparse.Namespace, base):
         "model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio", "warmup_steps",
         "schedule", "eval_every",
         "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes", "finetune_bytes",
-        "select", "keep", "candidates", "data_noise")}
+        "select", "keep", "candidates", "select_reference_steps", "select_reference_model",
+        "data_noise")}
     options = {k: v for k, v in options.items() if v is not None}
     if args.no_grad_clip:
         options["grad_clip"] = None
@@ -224,7 +225,8 @@ def _demo(args: argparse.Namespace) -> int:
           + (", each at its tuned lr (tuned.json)" if tuned else f", lr {config.lr:g} "
              f"(matrices x{config.matrix_lr_ratio:g})"))
     metrics = demo.run_demo(config, names, out=out, progress=_progress(args), tuned=tuned,
-                            data=data, overwrite=True)
+                            data=data, overwrite=True,
+                            select_at_equal_steps=args.select_at_equal_steps)
     print()
     print(demo.table(metrics))
     print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
@@ -430,7 +432,8 @@ _RUN_OPTIONS = ("model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_rati
                 "warmup_steps", "schedule", "eval_every", "eval_batches", "grad_clip",
                 "weight_decay", "seed", "data", "max_bytes", "finetune_bytes", "flop_budget", "governor_window",
                 "governor_patience", "governor_min_improvement", "governor_select_trial",
-                "select", "keep", "candidates", "data_noise", "task", "base_steps")
+                "select", "keep", "candidates", "select_reference_steps",
+                "select_reference_model", "data_noise", "task", "base_steps")
 
 
 def _resume(args: argparse.Namespace, parallel: Optional[str]):
@@ -520,6 +523,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
                             swept: bool = False) -> None:
     """The options of a training run; ``swept`` leaves out those a sweep takes lists of
     (--lr, --matrix-lr-ratio, --seed)."""
+    from frugal_kernels.data import POLICIES
     from frugal_kernels.model import PRESETS
 
     add = parser.add_argument
@@ -573,15 +577,24 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
         metavar="F", help="replace this fraction of the training documents with low-value "
                           "text (their bytes shuffled, or exact duplicates of others), the "
                           "setting where data selection is said to pay (default: 0)")
-    add("--select", choices=["loss", "el2n", "rho"],
-        help="online data selection: score candidate batches in a no-grad forward and train "
-             "on the best by this score (rho: minus a small reference model's loss); its "
-             "FLOPs are counted (default: none)")
+    add("--select", choices=list(POLICIES),
+        help="online data selection: score candidate batches and train on those this policy "
+             "keeps: the highest loss, el2n, or rho (loss minus a small reference model's), "
+             "the middle losses (middle), the most plausible under a byte-bigram model of "
+             "held-out batches (ngram: no forward pass), or a random choice (random, the "
+             "control); the scoring FLOPs are counted (default: none)")
     add("--keep", type=_number(float, "a number in (0, 1]", lambda v: 0 < v <= 1),
         help=f"with --select, the fraction of the candidates trained on (default: "
              f"{defaults.keep:g})")
     add("--candidates", type=_positive_int,
         help=f"with --select, batches scored per step (default: {defaults.candidates})")
+    add("--select-reference-steps", type=_positive_int,
+        help=f"with --select rho or ngram, the batches of the training split (another seed) "
+             f"the reference model trains on, or the bigram counts "
+             f"(default: {defaults.select_reference_steps})")
+    add("--select-reference-model", choices=sorted(PRESETS),
+        help=f"with --select rho, the reference model's preset "
+             f"(default: {defaults.select_reference_model})")
     add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>); one "
                                  "that holds results of an earlier run is left alone and a "
                                  "new one beside it (<out>-2, ...) is used, unless --overwrite")
@@ -631,6 +644,10 @@ def build_parser() -> argparse.ArgumentParser:
              "installed); a governed run brings the run its budget comes from")
     _add_base_arguments(demo_parser, finetune.BASE_STEPS)
     _add_training_arguments(demo_parser, demo.DEFAULTS)
+    demo_parser.add_argument(
+        "--select-at-equal-steps", action="store_true",
+        help="the +select rows take as many steps as their twins without selection (default: "
+             "as many as spend the twin's FLOPs, scoring counted)")
     demo_parser.set_defaults(func=_demo)
 
     train_defaults = TrainConfig()

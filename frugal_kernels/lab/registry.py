@@ -56,7 +56,10 @@ class DemoOptimizer:
     run did (the rho AdaFRUGAL reached); ``note`` (a string, or a function of the run) says
     why the row may end far from AdamW, printed under the table when it does. A row with
     ``selects`` trains on online-selected batches (``TrainConfig.select``: the config's
-    policy, else ``"loss"``; :func:`row_config`).
+    policy, else ``"loss"``; :func:`row_config`); its ``twin`` is the row it is compared
+    with, the same optimizer without selection, whose FLOPs the demo gives it
+    (:func:`~frugal_kernels.lab.train.equal_flops_steps`) and which :func:`resolve` runs
+    before it.
     """
 
     label: str
@@ -69,6 +72,7 @@ class DemoOptimizer:
     describe: Optional[Callable[[dict[str, Any]], str]] = None
     note: Union[str, Callable[[dict[str, Any]], str]] = ""
     selects: bool = False
+    twin: Optional[str] = None
 
 
 def _adamw(model, config: TrainConfig) -> torch.optim.Optimizer:
@@ -259,10 +263,15 @@ def _selecting(source: str, color: str) -> DemoOptimizer:
     entry = OPTIMIZERS[source]
     return DemoOptimizer(
         f"{entry.label}+select", color, entry.make, tuned_as=source, selects=True,
-        describe=lambda run: f"{entry.label}+select ({run['config']['select']})",
-        note="each step scores 2 batches in a no-grad forward and trains on the better half; "
-             "the scoring passes count in its FLOPs; selection pays on noisy data "
-             "(--data-noise), not on a clean corpus")
+        twin=source, describe=lambda run: f"{entry.label}+select ({_selection(run)})",
+        note="each step scores --candidates batches and trains on the --keep fraction the "
+             "policy picks; the scoring counts in its FLOPs, and the demo gives it the FLOPs "
+             "of its twin without selection (--select-at-equal-steps: its steps)")
+
+
+def _selection(run: dict[str, Any]) -> str:
+    c = run["config"]
+    return f"{c['select']}, keep {c['keep']:g} of {c['candidates']}"
 
 
 OPTIMIZERS["adamw+select"] = _selecting("adamw", "silver")
@@ -303,12 +312,13 @@ DEFAULTS = TrainConfig()
 
 
 def resolve(names: Sequence[str]) -> list[str]:
-    """``names`` in order, each governed run preceded by the run its budget comes from."""
+    """``names`` in order, each governed run preceded by the run its budget comes from, each
+    selecting run by its twin."""
     ordered: list[str] = []
     for name in names:
         if name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
-        source = OPTIMIZERS[name].budget_from
+        source = OPTIMIZERS[name].budget_from or OPTIMIZERS[name].twin
         if source is not None and source not in ordered:
             ordered.append(source)
         if name not in ordered:

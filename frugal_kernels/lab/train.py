@@ -597,11 +597,11 @@ def equal_flops_steps(config: TrainConfig, twin_flops: float, twin_steps: int,
     the same run without selection that took ``twin_steps`` steps for ``twin_flops``: its
     reference's FLOPs, then as many selected steps as the rest pays for, each costing its
     model passes (:func:`selection_flops`) and the twin's mean optimizer step (the same
-    optimizer), rounded to the nearest step (at least 1)."""
+    optimizer): the most steps those FLOPs pay for (at least 1)."""
     once, per_step = selection_flops(config, vocab_size)
     fpt = flops_per_token(config.model_config(vocab_size), config.seq_len)
     optimizer_step = (twin_flops - twin_steps * config.tokens_per_step() * fpt) / twin_steps
-    return max(1, round((twin_flops - once) / (per_step + optimizer_step)))
+    return max(1, math.floor((twin_flops - once) / (per_step + optimizer_step)))
 
 
 def _ranks(config: TrainConfig) -> tuple[int, int]:
