@@ -186,6 +186,9 @@ def _train_config(args: argparse.Namespace, base):
         "select", "keep", "candidates", "select_reference_steps", "select_reference_model",
         "data_noise")}
     options = {k: v for k, v in options.items() if v is not None}
+    if options.get("select") is None and ("keep" in options or "candidates" in options):
+        # A +select row's own policy comes with its keep and candidates (ROW_SELECTION).
+        raise CommandLineError("--keep and --candidates set a selection: give --select too")
     if args.no_grad_clip:
         options["grad_clip"] = None
     try:

@@ -149,13 +149,19 @@ def test_the_demo_selects_in_its_select_rows_only(tmp_path):
     assert "+select" in (out / "table.md").read_text()
 
 
-def test_a_select_row_of_the_train_command_selects_by_loss(tmp_path):
+def test_a_select_row_of_the_train_command_selects_by_its_own_policy(tmp_path, capsys):
     from frugal_kernels.__main__ import main
+    from frugal_kernels.lab.registry import ROW_SELECTION
 
     out = tmp_path / "train"
     assert main(["train", "--optimizer", "frugal+select", "--out", str(out), *CLI_ARGS]) == 0
     run = json.loads((out / "metrics.json").read_text())["runs"]["frugal+select"]
-    assert run["config"]["select"] == "loss" and all(s["selected"] for s in run["steps"])
+    assert {k: run["config"][k] for k in ROW_SELECTION} == ROW_SELECTION
+    assert all(s["selected"] for s in run["steps"])
+    # a keep without a policy would be silently replaced by the row's: refused
+    assert main(["train", "--optimizer", "frugal+select", "--keep", "0.5", "--out",
+                 str(tmp_path / "t2"), *CLI_ARGS]) == 2
+    assert "give --select too" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam, step_in_backward
 from frugal_kernels.optim.swap import swap
 
 __all__ = ["BADAM_SWITCH_EVERY", "DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "OPTIMIZERS",
-           "UPDATE_GAP", "available", "resolve", "row_config", "run_config", "tuned_for"]
+           "ROW_SELECTION", "UPDATE_GAP", "available", "resolve", "row_config", "run_config",
+           "tuned_for"]
 
 # The paper's T = 200 is for runs of tens of thousands of steps. On short runs each subspace
 # change costs (the new state-full blocks restart their moments: at 300 x 16, T = 10 / 50 / 200
@@ -56,7 +57,7 @@ class DemoOptimizer:
     run did (the rho AdaFRUGAL reached); ``note`` (a string, or a function of the run) says
     why the row may end far from AdamW, printed under the table when it does. A row with
     ``selects`` trains on online-selected batches (``TrainConfig.select``: the config's
-    policy, else ``"loss"``; :func:`row_config`); its ``twin`` is the row it is compared
+    policy, else :data:`ROW_SELECTION`; :func:`row_config`); its ``twin`` is the row it is compared
     with, the same optimizer without selection, whose FLOPs the demo gives it
     (:func:`~frugal_kernels.lab.train.equal_flops_steps`) and which :func:`resolve` runs
     before it.
@@ -357,11 +358,18 @@ def tuned_for(config: TrainConfig, name: str, rows: Optional[Mapping[str, DemoOp
     return None
 
 
+# What a +select row selects by when the config names no policy: the byte-bigram filter,
+# dropping one sequence in 8 of a single batch; of the policies measured at equal FLOPs on
+# the demo's corpora (bench/results/selection-cpu.md) the only one that beat its twin on
+# the noised corpus without losing to the random control on the clean one.
+ROW_SELECTION = {"select": "ngram", "keep": 0.875, "candidates": 1}
+
+
 def row_config(config: TrainConfig, name: str) -> TrainConfig:
     """``config`` with what the row ``name`` fixes itself: a ``selects`` row selects by
-    ``config.select``, else by ``"loss"``."""
+    ``config.select`` (at its ``keep`` and ``candidates``), else by :data:`ROW_SELECTION`."""
     if OPTIMIZERS[name].selects and config.select is None:
-        return dataclasses.replace(config, select="loss")
+        return dataclasses.replace(config, **ROW_SELECTION)
     return config
 
 
