@@ -644,7 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)}, and with --task finetune "
              f"{', '.join(finetune_only)} (default: {', '.join(demo.DEFAULT_RUNS)}; with "
              f"--task finetune {', '.join(finetune.DEFAULT_RUNS)}; those whose package is "
-             "installed); a governed run brings the run its budget comes from")
+             "installed); a governed run brings the run its budget comes from, a +select "
+             "row its twin without selection")
     _add_base_arguments(demo_parser, finetune.BASE_STEPS)
     _add_training_arguments(demo_parser, demo.DEFAULTS)
     demo_parser.add_argument(
