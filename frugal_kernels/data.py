@@ -1,9 +1,10 @@
-"""Online data selection: score candidate sequences with the fused loss, train on the best.
+"""Online data selection: score candidate sequences, train on those the policy keeps.
 
 :class:`OnlineSelector` takes a candidate batch (``candidates`` times the batch the step
-trains on), scores every sequence with one no-grad forward pass whose loss is
-``ops.linear_cross_entropy`` (the per-token scores come with the loss: no logits, no
-second pass), and keeps the ``keep`` fraction with the highest scores:
+trains on), scores every sequence (the model-scored policies with one no-grad forward pass
+whose loss is ``ops.linear_cross_entropy``: the per-token scores come with the loss, no
+logits, no second pass), and keeps the ``keep`` fraction with the highest scores (the
+middle ranks under ``"middle"``):
 
 - ``"loss"``: the sequence's mean token loss (SelectiveBackprop, Jiang et al. 2019);
 - ``"el2n"``: its mean ``||softmax(z) - onehot(y)||`` (EL2N, Paul et al. 2021);
