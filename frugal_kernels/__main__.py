@@ -183,9 +183,12 @@ def _train_config(args: argparse.Namespace, base):
         "model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_ratio", "warmup_steps",
         "schedule", "eval_every",
         "eval_batches", "grad_clip", "weight_decay", "seed", "data", "max_bytes", "finetune_bytes",
-        "select", "keep", "candidates", "data_noise",
-        "badam_switch_every")}
+        "select", "keep", "candidates", "select_reference_steps", "select_reference_model",
+        "data_noise", "badam_switch_every")}
     options = {k: v for k, v in options.items() if v is not None}
+    if options.get("select") is None and ("keep" in options or "candidates" in options):
+        # A +select row's own policy comes with its keep and candidates (ROW_SELECTION).
+        raise CommandLineError("--keep and --candidates set a selection: give --select too")
     if args.no_grad_clip:
         options["grad_clip"] = None
     try:
@@ -225,7 +228,8 @@ def _demo(args: argparse.Namespace) -> int:
           + (", each at its tuned lr (tuned.json)" if tuned else f", lr {config.lr:g} "
              f"(matrices x{config.matrix_lr_ratio:g})"))
     metrics = demo.run_demo(config, names, out=out, progress=_progress(args), tuned=tuned,
-                            data=data, overwrite=True)
+                            data=data, overwrite=True,
+                            select_at_equal_steps=args.select_at_equal_steps)
     print()
     print(demo.table(metrics))
     print(f"\n{metrics['wall_time']:.0f} s in all; wrote " + ", ".join(metrics["files"]))
@@ -431,7 +435,8 @@ _RUN_OPTIONS = ("model", "steps", "batch_size", "seq_len", "lr", "matrix_lr_rati
                 "warmup_steps", "schedule", "eval_every", "eval_batches", "grad_clip",
                 "weight_decay", "seed", "data", "max_bytes", "finetune_bytes", "flop_budget", "governor_window",
                 "governor_patience", "governor_min_improvement", "governor_select_trial",
-                "select", "keep", "candidates", "data_noise", "task", "base_steps",
+                "select", "keep", "candidates", "select_reference_steps",
+                "select_reference_model", "data_noise", "task", "base_steps",
                 "badam_switch_every")
 
 
@@ -522,6 +527,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
                             swept: bool = False) -> None:
     """The options of a training run; ``swept`` leaves out those a sweep takes lists of
     (--lr, --matrix-lr-ratio, --seed)."""
+    from frugal_kernels.data import POLICIES
     from frugal_kernels.model import PRESETS
 
     add = parser.add_argument
@@ -575,10 +581,12 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
         metavar="F", help="replace this fraction of the training documents with low-value "
                           "text (their bytes shuffled, or exact duplicates of others), the "
                           "setting where data selection is said to pay (default: 0)")
-    add("--select", choices=["loss", "el2n", "rho"],
-        help="online data selection: score candidate batches in a no-grad forward and train "
-             "on the best by this score (rho: minus a small reference model's loss); its "
-             "FLOPs are counted (default: none)")
+    add("--select", choices=list(POLICIES),
+        help="online data selection: score candidate batches and train on those this policy "
+             "keeps: the highest loss, el2n, or rho (loss minus a small reference model's), "
+             "the middle losses (middle), the most plausible under a byte-bigram model of "
+             "held-out batches (ngram: no forward pass), or a random choice (random, the "
+             "control); the scoring FLOPs are counted (default: none)")
     add("--keep", type=_number(float, "a number in (0, 1]", lambda v: 0 < v <= 1),
         help=f"with --select, the fraction of the candidates trained on (default: "
              f"{defaults.keep:g})")
@@ -587,6 +595,13 @@ def _add_training_arguments(parser: argparse.ArgumentParser, defaults,
     add("--badam-switch-every", type=_positive_int, metavar="K",
         help=f"the BAdam rows' steps per block before the next block trains (default: "
              f"{defaults.badam_switch_every})")
+    add("--select-reference-steps", type=_positive_int,
+        help=f"with --select rho or ngram, the batches of the training split (another seed) "
+             f"the reference model trains on, or the bigram counts "
+             f"(default: {defaults.select_reference_steps})")
+    add("--select-reference-model", choices=sorted(PRESETS),
+        help=f"with --select rho, the reference model's preset "
+             f"(default: {defaults.select_reference_model})")
     add("--out", type=Path, help="output folder (default: runs/<command>-<date>-<time>); one "
                                  "that holds results of an earlier run is left alone and a "
                                  "new one beside it (<out>-2, ...) is used, unless --overwrite")
@@ -633,9 +648,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"runs to compare, from {', '.join(demo.OPTIMIZERS)}, and with --task finetune "
              f"{', '.join(finetune_only)} (default: {', '.join(demo.DEFAULT_RUNS)}; with "
              f"--task finetune {', '.join(finetune.DEFAULT_RUNS)}; those whose package is "
-             "installed); a governed run brings the run its budget comes from")
+             "installed); a governed run brings the run its budget comes from, a +select "
+             "row its twin without selection")
     _add_base_arguments(demo_parser, finetune.BASE_STEPS)
     _add_training_arguments(demo_parser, demo.DEFAULTS)
+    demo_parser.add_argument(
+        "--select-at-equal-steps", action="store_true",
+        help="the +select rows take as many steps as their twins without selection (default: "
+             "as many as spend the twin's FLOPs, scoring counted)")
     demo_parser.set_defaults(func=_demo)
 
     train_defaults = TrainConfig()

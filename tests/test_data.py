@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from frugal_kernels.lab.corpus import (
+    NOISE_KINDS,
     ByteTokenizer,
     Document,
     TokenDataset,
+    _is_validation,
     add_noise,
     load_corpus,
     stdlib_documents,
@@ -223,3 +225,49 @@ def test_noise_touches_only_the_training_split():
 def test_a_bad_noise_fraction_is_refused(fraction):
     with pytest.raises(ValueError, match="noise fraction"):
         TokenDataset(_docs(), noise=fraction)
+
+
+def _kind_of(original: bytes, noised: bytes) -> str:
+    if noised == original:
+        return "clean"
+    return "shuffled" if sorted(noised) == sorted(original) else "duplicate"
+
+
+def test_a_windows_noise_label_is_what_most_of_its_bytes_came_from():
+    """Each byte's kind from its document (kept, shuffled, or another's text), the windows'
+    starts from the documented generator: the label is the kind of more than half the bytes."""
+    docs = _docs(n=60, size=150)
+    plain = TokenDataset(docs, val_fraction=0.2, seed=3)
+    noisy = TokenDataset(docs, val_fraction=0.2, seed=3, noise=0.5)
+    train_docs = [d for d in docs if not _is_validation(d.name, 3, 0.2)]
+    per_byte = []
+    offset = 0
+    for doc in train_docs:
+        noised = bytes(noisy.train[offset:offset + len(doc.data)].tolist())
+        per_byte += [NOISE_KINDS.index(_kind_of(doc.data, noised))] * len(doc.data)
+        offset += len(doc.data)
+    assert offset == len(plain.train) == len(noisy.train)
+    assert {"shuffled", "duplicate"} <= {NOISE_KINDS[k] for k in per_byte}
+    per_byte = torch.tensor(per_byte)
+    seq_len, batch = 64, 8
+    generator = torch.Generator().manual_seed(11)
+    seen = torch.zeros(len(NOISE_KINDS), dtype=torch.int64)
+    for ids, labels, noise in noisy.batches("train", batch, seq_len, seed=11, num_batches=20,
+                                            with_noise=True):
+        starts = torch.randint(0, len(noisy.train) - seq_len + 1, (batch,), generator=generator)
+        for row, start, label in zip(ids, starts.tolist(), noise.tolist()):
+            assert row.tolist() == noisy.train[start:start + seq_len].tolist()
+            counts = torch.bincount(per_byte[start:start + seq_len], minlength=3)
+            expected = next((k for k in (1, 2) if 2 * counts[k] > seq_len), 0)
+            assert label == expected
+            seen[label] += 1
+    assert (seen > 0).all(), seen  # every kind labelled somewhere
+    # without with_noise, the same windows
+    first = next(noisy.batches("train", batch, seq_len, seed=11))
+    assert torch.equal(first[0], next(noisy.batches("train", batch, seq_len, seed=11,
+                                                    with_noise=True))[0])
+
+
+def test_a_clean_corpus_labels_every_window_clean(corpus):
+    _, _, noise = next(corpus.batches("train", 8, 32, seed=0, with_noise=True))
+    assert noise.tolist() == [0] * 8

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from frugal_kernels.data import sequence_scores
+from frugal_kernels.data import OnlineSelector, sequence_scores
 from frugal_kernels.lab import train as train_module
 from frugal_kernels.lab.corpus import load_corpus
-from frugal_kernels.lab.train import TrainConfig, train
+from frugal_kernels.lab.train import TrainConfig, equal_flops_steps, train
 from frugal_kernels.model import LlamaForCausalLM
 
 TINY = TrainConfig(model="tiny", steps=8, batch_size=2, seq_len=16, warmup_steps=1,
@@ -149,10 +149,113 @@ def test_the_demo_selects_in_its_select_rows_only(tmp_path):
     assert "+select" in (out / "table.md").read_text()
 
 
-def test_a_select_row_of_the_train_command_selects_by_loss(tmp_path):
+def test_a_select_row_of_the_train_command_selects_by_its_own_policy(tmp_path, capsys):
     from frugal_kernels.__main__ import main
+    from frugal_kernels.lab.registry import ROW_SELECTION
 
     out = tmp_path / "train"
     assert main(["train", "--optimizer", "frugal+select", "--out", str(out), *CLI_ARGS]) == 0
     run = json.loads((out / "metrics.json").read_text())["runs"]["frugal+select"]
-    assert run["config"]["select"] == "loss" and all(s["selected"] for s in run["steps"])
+    assert {k: run["config"][k] for k in ROW_SELECTION} == ROW_SELECTION
+    assert all(s["selected"] for s in run["steps"])
+    # a keep without a policy would be silently replaced by the row's: refused
+    assert main(["train", "--optimizer", "frugal+select", "--keep", "0.5", "--out",
+                 str(tmp_path / "t2"), *CLI_ARGS]) == 2
+    assert "give --select too" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def noisy():
+    return load_corpus(max_bytes=TINY.max_bytes, noise=0.4)
+
+
+@pytest.mark.parametrize("policy", ["ngram", "random", "middle"])
+def test_a_resumed_run_of_each_new_policy_equals_the_uninterrupted_one(noisy, policy):
+    config = dataclasses.replace(TINY, select=policy, select_reference_steps=2)
+    states = []
+    whole = train(config, adamw, data=noisy, progress=False,
+                  checkpoint=lambda state: states.append(copy.deepcopy(state)))
+    model = LlamaForCausalLM(config.model_config(noisy.vocab_size), seed=1)
+    resumed = train(config, adamw, model=model, data=noisy, progress=False, resume=states[0])
+    assert resumed.steps == whole.steps[:4] + resumed.steps[4:]
+    assert [s["train_loss"] for s in resumed.steps] == [s["train_loss"] for s in whole.steps]
+    assert [s["kept_shuffled"] for s in resumed.steps] == \
+        [s["kept_shuffled"] for s in whole.steps]
+    assert resumed.final_val_loss == whole.final_val_loss
+
+
+def test_the_noise_kept_and_offered_is_counted_per_step(noisy):
+    """A random selection redrawn by hand from the same batches and generator: the counts of
+    each step are those of the windows' labels."""
+    config = dataclasses.replace(TINY, select="random", batch_size=4, keep=0.5, candidates=3)
+    result = train(config, adamw, data=noisy, progress=False)
+    batches = noisy.batches("train", 4, 16, seed=config.seed, with_noise=True)
+    selector = OnlineSelector("random", keep=0.5, candidates=3, seed=config.seed)
+    totals = {"offered": 0, "kept": 0, "offered_shuffled": 0, "kept_shuffled": 0}
+    for record in result.steps:
+        offered = torch.cat([next(batches)[2] for _ in range(3)])
+        kept = offered[selector.choose(torch.zeros(12))]
+        for kind, code in (("shuffled", 1), ("duplicate", 2)):
+            assert record[f"offered_{kind}"] == int((offered == code).sum())
+            assert record[f"kept_{kind}"] == int((kept == code).sum())
+        assert (record["offered"], record["kept"]) == (12, 6)
+        for key in totals:
+            totals[key] += record[key]
+    assert totals["offered_shuffled"] > 0
+    noise = result.summary()["noise"]
+    assert noise["kept_shuffled"] == totals["kept_shuffled"] / totals["kept"]
+    assert noise["offered_shuffled"] == totals["offered_shuffled"] / totals["offered"]
+    assert train(dataclasses.replace(config, steps=1), adamw, data=load_corpus(
+        max_bytes=TINY.max_bytes), progress=False).summary()["noise"] is None
+
+
+def test_ngram_keeps_less_shuffled_noise_than_offered(noisy):
+    config = dataclasses.replace(TINY, select="ngram", steps=12, batch_size=8, keep=0.5,
+                                 candidates=2, select_reference_steps=200)
+    noise = train(config, adamw, data=noisy, progress=False).summary()["noise"]
+    assert noise["kept_shuffled"] < noise["offered_shuffled"] / 2, noise
+
+
+@pytest.mark.parametrize("select, keep, candidates, more_steps", [
+    ("loss", 0.5, 2, False), ("ngram", 0.5, 1, True), ("random", 0.5, 3, False),
+    ("rho", 0.5, 2, False), ("middle", 0.25, 4, False)])
+def test_the_equal_flops_steps_spend_the_twins_flops(corpus, select, keep, candidates,
+                                                     more_steps):
+    """The selecting run of that many steps spends no more than its twin, and one step more
+    would spend more."""
+    twin_config = dataclasses.replace(TINY, select=None, steps=6)
+    twin = train(twin_config, adamw, data=corpus, progress=False)
+    config = dataclasses.replace(TINY, select=select, keep=keep, candidates=candidates,
+                                 select_reference_steps=1)
+    steps = equal_flops_steps(config, twin.flops, twin.steps_done, corpus.vocab_size)
+    once, per_step = train_module.selection_flops(config, corpus.vocab_size)
+    run = train(config.with_steps(steps), adamw, data=corpus, progress=False)
+    assert run.steps_done == steps
+    assert run.steps[0]["flops"] - (run.steps[1]["flops"] - run.steps[0]["flops"]) == \
+        pytest.approx(once)
+    step_cost = (run.flops - once) / steps
+    assert run.flops <= twin.flops * (1 + 1e-12) < run.flops + step_cost
+    # more steps where a step trains on fewer sequences and scores nearly free
+    assert (steps > twin.steps_done) if more_steps else (steps < twin.steps_done)
+
+
+@pytest.mark.parametrize("equal_steps", [False, True])
+def test_the_demo_gives_a_select_row_its_twins_flops(tmp_path, equal_steps):
+    from frugal_kernels.__main__ import main
+
+    out = tmp_path / "demo"
+    # adamw+select alone brings its twin
+    assert main(["demo", "--optimizers", "adamw+select", "--select", "ngram", "--keep", "0.5",
+                 "--candidates", "1", "--data-noise", "0.3", "--out", str(out), *CLI_ARGS,
+                 "--steps", "4", *(["--select-at-equal-steps"] if equal_steps else [])]) == 0
+    runs = json.loads((out / "metrics.json").read_text())["runs"]
+    assert list(runs) == ["adamw", "adamw+select"]
+    twin, selected = runs["adamw"]["summary"], runs["adamw+select"]["summary"]
+    if equal_steps:
+        assert selected["steps"] == twin["steps"] == 4
+    else:
+        config = TrainConfig(**{**runs["adamw+select"]["config"], "steps": 4})
+        assert selected["steps"] == equal_flops_steps(config, twin["flops"], 4, 256) > 4
+        assert selected["flops"] <= twin["flops"]
+    text = (out / "table.md").read_text()
+    assert f"{selected['steps']} steps for" in text and "of those kept" in text

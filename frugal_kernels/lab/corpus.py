@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "NOISE_KINDS",
     "TEXT_SUFFIXES",
     "ByteTokenizer",
     "Document",
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BYTES = 8_000_000
+# What a training byte is, by its code in TokenDataset.train_noise and a window's label.
+NOISE_KINDS = ("clean", "shuffled", "duplicate")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 
 # Directory names never read from the standard library: the test suites are mostly data
@@ -197,27 +200,44 @@ def add_noise(documents: Sequence[Document], fraction: float, seed: int = 0) -> 
     train/validation split is the same as without noise; callers noise only the training
     split, so that the validation loss stays a measure on clean text.
     """
+    return _noised(documents, fraction, seed)[0]
+
+
+def _noised(documents: Sequence[Document], fraction: float,
+            seed: int) -> tuple[list[Document], list[int]]:
+    """:func:`add_noise`'s documents and each one's code in :data:`NOISE_KINDS`."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
             not 0.0 <= fraction < 1.0:
         raise ValueError(f"the noise fraction must lie in [0, 1), got {fraction!r}")
     noised = [_hash_fraction(f"noise:{seed}:{doc.name}") < fraction for doc in documents]
     clean = [doc for doc, n in zip(documents, noised) if not n and doc.data]
-    out = []
+    out, kinds = [], []
     for doc, noise in zip(documents, noised):
         if not noise or not doc.data:
             out.append(doc)
+            kinds.append(0)
             continue
         key = f"noise-kind:{seed}:{doc.name}"
         if clean and _hash_fraction(key) < 0.5:
             source = clean[int(_hash_fraction(key + ":source") * len(clean))].data
             repeats = -(-len(doc.data) // len(source))
             data = (source * repeats)[:len(doc.data)]
+            kinds.append(NOISE_KINDS.index("duplicate"))
         else:
             generator = np.random.default_rng(int.from_bytes(
                 hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"))
             data = generator.permutation(np.frombuffer(doc.data, dtype=np.uint8)).tobytes()
+            kinds.append(NOISE_KINDS.index("shuffled"))
         out.append(Document(doc.name, data))
-    return out
+    return out, kinds
+
+
+def _window_labels(kinds: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the kind filling more than half of each row of ``kinds`` ``[B, T]``, else 0."""
+    label = torch.zeros(kinds.shape[0], dtype=torch.int64)
+    for code in range(1, len(NOISE_KINDS)):
+        label[2 * (kinds == code).sum(1) > kinds.shape[1]] = code
+    return label
 
 
 def _to_tokens(chunks: Sequence[bytes]) -> torch.Tensor:
@@ -237,7 +257,9 @@ class TokenDataset:
     their given order.
 
     ``noise`` replaces that fraction of the training documents by low-value text
-    (:func:`add_noise`); validation stays clean.
+    (:func:`add_noise`); validation stays clean. ``train_noise`` holds, per training byte,
+    what it is (its code in :data:`NOISE_KINDS`: 0 clean, 1 shuffled, 2 duplicate), from
+    which :meth:`batches` labels its windows (``with_noise``).
     """
 
     def __init__(
@@ -258,11 +280,14 @@ class TokenDataset:
         self.tokenizer = ByteTokenizer()
         self.vocab_size = self.tokenizer.vocab_size
         in_val = [_is_validation(doc.name, seed, val_fraction) for doc in documents]
-        train_docs = add_noise([doc for doc, v in zip(documents, in_val) if not v], noise, seed)
+        train_docs, kinds = _noised([doc for doc, v in zip(documents, in_val) if not v],
+                                    noise, seed)
         train = [doc.data for doc in train_docs]
         val = [doc.data for doc, v in zip(documents, in_val) if v]
         if any(train) and any(val):
             self.train, self.validation = _to_tokens(train), _to_tokens(val)
+            self.train_noise = torch.from_numpy(np.repeat(
+                np.array(kinds, dtype=np.uint8), [len(data) for data in train]))
             self.split_rule = "documents"
         else:
             if noise:
@@ -271,11 +296,11 @@ class TokenDataset:
             tokens = _to_tokens([doc.data for doc in documents])
             cut = len(tokens) - max(1, int(len(tokens) * val_fraction))
             self.train, self.validation = tokens[:cut], tokens[cut:]
+            self.train_noise = torch.zeros(len(self.train), dtype=torch.uint8)
             self.split_rule = "tail"
         self.num_documents = len(documents)
         self.noise = float(noise)
-        self.noised_documents = sum(new is not old for new, old in zip(
-            train_docs, (doc for doc, v in zip(documents, in_val) if not v)))
+        self.noised_documents = sum(kind != 0 for kind in kinds)
         # Of what is trained and validated on: a noised corpus is another corpus.
         self.digest = hashlib.sha256(b"".join(train + val)).hexdigest() if noise else \
             hashlib.sha256(b"".join(doc.data for doc in documents)).hexdigest()
@@ -305,7 +330,8 @@ class TokenDataset:
         device: Union[str, torch.device] = "cpu",
         num_batches: Optional[int] = None,
         skip: int = 0,
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        with_noise: bool = False,
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         """Random windows of the split: ``(input_ids, labels)``, int64, shape ``[B, T]``.
 
         Each window starts at a uniformly random offset drawn from a generator seeded with
@@ -313,20 +339,28 @@ class TokenDataset:
         iterator is endless unless ``num_batches`` is given. ``labels`` equals ``input_ids``:
         :class:`~frugal_kernels.model.LlamaForCausalLM` shifts them itself. ``skip`` passes
         over the first batches of the sequence (drawing only their offsets), so that a resumed
-        run goes on with the batches it would have seen.
+        run goes on with the batches it would have seen. ``with_noise`` adds a third item,
+        each window's label ``[B]`` (int64): the code in :data:`NOISE_KINDS` of the noise
+        that fills more than half of its bytes, 0 (clean) where none does; the windows are
+        the same as without it.
         """
         num_tokens = self._check_length(split, seq_len)
         tokens = self.tokens(split)
+        kinds = self.train_noise if split == "train" else torch.zeros_like(tokens)
         generator = torch.Generator().manual_seed(seed)
         for _ in range(skip):
             torch.randint(0, num_tokens - seq_len + 1, (batch_size,), generator=generator)
         produced = 0
         while num_batches is None or produced < num_batches:
             starts = torch.randint(0, num_tokens - seq_len + 1, (batch_size,), generator=generator)
-            input_ids = tokens[starts[:, None] + torch.arange(seq_len)].long().to(device)
+            window = starts[:, None] + torch.arange(seq_len)
+            input_ids = tokens[window].long().to(device)
             # Labels follow the Hugging Face convention the model expects: aligned with the
             # inputs, shifted inside the loss.
-            yield input_ids, input_ids.clone()
+            if not with_noise:
+                yield input_ids, input_ids.clone()
+            else:
+                yield input_ids, input_ids.clone(), _window_labels(kinds[window]).to(device)
             produced += 1
 
     def validation_batches(

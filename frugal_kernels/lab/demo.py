@@ -35,7 +35,7 @@ from frugal_kernels.lab.registry import (DEFAULT_RUNS, DEFAULTS, OPTIMIZERS, Dem
                                          tuned_for)
 from frugal_kernels.lab.report import _rows, collect_metrics, table
 from frugal_kernels.lab.train import (RunResult, TrainConfig, TrainingInterrupted, check_data,
-                                      train)
+                                      equal_flops_steps, train)
 from frugal_kernels.model import LlamaForCausalLM
 
 __all__ = ["DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "Interrupted", "OPTIMIZERS", "available",
@@ -91,7 +91,7 @@ def checked_data(config: TrainConfig, data: Optional[TokenDataset] = None) -> To
 def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS,
              out: Optional[Path] = None, progress: bool | str = True,
              tuned: bool = True, data: Optional[TokenDataset] = None,
-             overwrite: bool = False) -> dict[str, Any]:
+             overwrite: bool = False, select_at_equal_steps: bool = False) -> dict[str, Any]:
     """Train one copy of the same initial model per optimizer in ``names`` (those whose
     package is installed) on ``data`` (default ``load_corpus(config.data)``); write
     ``metrics.json``, ``table.md``, ``table.csv`` and ``demo.png`` into ``out`` (default
@@ -100,7 +100,10 @@ def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS
     kept if the demo is stopped. With ``tuned``, each optimizer runs at its recorded
     learning rates (:func:`run_config`), else all at ``config.lr`` and
     ``config.matrix_lr_ratio``. A line before each run says which of how many it is, the
-    time so far and an estimate of the rest (unless ``progress`` is False).
+    time so far and an estimate of the rest (unless ``progress`` is False). A row that
+    selects its data gets the FLOPs its twin spent, scoring counted
+    (:func:`~frugal_kernels.lab.train.equal_flops_steps` sets its steps); with
+    ``select_at_equal_steps``, the twin's steps instead.
 
     Returns the metrics (what ``metrics.json`` holds) with ``"out"`` and ``"files"`` added.
     Ctrl-C writes the finished runs and raises :class:`Interrupted`.
@@ -124,6 +127,10 @@ def run_demo(config: TrainConfig = DEFAULTS, names: Sequence[str] = DEFAULT_RUNS
             named_config = dataclasses.replace(named_config,
                                                flop_budget=results[entry.budget_from].flops,
                                                governor=dict(entry.governor))
+        if entry.twin is not None and not select_at_equal_steps:
+            twin = results[entry.twin]
+            named_config = named_config.with_steps(equal_flops_steps(
+                named_config, twin.flops, twin.steps_done, data.vocab_size))
         if progress:
             done = [r for r in results.values()]
             print(overall_progress(k, len(names), entry.label, time.perf_counter() - started,

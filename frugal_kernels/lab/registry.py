@@ -26,7 +26,8 @@ from frugal_kernels.optim import DQT, FRUGAL, AdaFRUGAL, BAdam, step_in_backward
 from frugal_kernels.optim.swap import swap
 
 __all__ = ["BADAM_SWITCH_EVERY", "DEFAULTS", "DEFAULT_RUNS", "DemoOptimizer", "OPTIMIZERS",
-           "UPDATE_GAP", "available", "resolve", "row_config", "run_config", "tuned_for"]
+           "ROW_SELECTION", "UPDATE_GAP", "available", "resolve", "row_config", "run_config",
+           "tuned_for"]
 
 # The paper's T = 200 is for runs of tens of thousands of steps. On short runs each subspace
 # change costs (the new state-full blocks restart their moments: at 300 x 16, T = 10 / 50 / 200
@@ -56,7 +57,10 @@ class DemoOptimizer:
     run did (the rho AdaFRUGAL reached); ``note`` (a string, or a function of the run) says
     why the row may end far from AdamW, printed under the table when it does. A row with
     ``selects`` trains on online-selected batches (``TrainConfig.select``: the config's
-    policy, else ``"loss"``; :func:`row_config`).
+    policy, else :data:`ROW_SELECTION`; :func:`row_config`); its ``twin`` is the row it is compared
+    with, the same optimizer without selection, whose FLOPs the demo gives it
+    (:func:`~frugal_kernels.lab.train.equal_flops_steps`) and which :func:`resolve` runs
+    before it.
     """
 
     label: str
@@ -69,6 +73,7 @@ class DemoOptimizer:
     describe: Optional[Callable[[dict[str, Any]], str]] = None
     note: Union[str, Callable[[dict[str, Any]], str]] = ""
     selects: bool = False
+    twin: Optional[str] = None
 
 
 def _adamw(model, config: TrainConfig) -> torch.optim.Optimizer:
@@ -267,10 +272,15 @@ def _selecting(source: str, color: str) -> DemoOptimizer:
     entry = OPTIMIZERS[source]
     return DemoOptimizer(
         f"{entry.label}+select", color, entry.make, tuned_as=source, selects=True,
-        describe=lambda run: f"{entry.label}+select ({run['config']['select']})",
-        note="each step scores 2 batches in a no-grad forward and trains on the better half; "
-             "the scoring passes count in its FLOPs; selection pays on noisy data "
-             "(--data-noise), not on a clean corpus")
+        twin=source, describe=lambda run: f"{entry.label}+select ({_selection(run)})",
+        note="each step scores --candidates batches and trains on the --keep fraction the "
+             "policy picks; the scoring counts in its FLOPs, and the demo gives it the FLOPs "
+             "of its twin without selection (--select-at-equal-steps: its steps)")
+
+
+def _selection(run: dict[str, Any]) -> str:
+    c = run["config"]
+    return f"{c['select']}, keep {c['keep']:g} of {c['candidates']}"
 
 
 OPTIMIZERS["adamw+select"] = _selecting("adamw", "silver")
@@ -311,12 +321,13 @@ DEFAULTS = TrainConfig()
 
 
 def resolve(names: Sequence[str]) -> list[str]:
-    """``names`` in order, each governed run preceded by the run its budget comes from."""
+    """``names`` in order, each governed run preceded by the run its budget comes from, each
+    selecting run by its twin."""
     ordered: list[str] = []
     for name in names:
         if name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
-        source = OPTIMIZERS[name].budget_from
+        source = OPTIMIZERS[name].budget_from or OPTIMIZERS[name].twin
         if source is not None and source not in ordered:
             ordered.append(source)
         if name not in ordered:
@@ -355,11 +366,18 @@ def tuned_for(config: TrainConfig, name: str, rows: Optional[Mapping[str, DemoOp
     return None
 
 
+# What a +select row selects by when the config names no policy: the byte-bigram filter,
+# dropping one sequence in 8 of a single batch; of the policies measured at equal FLOPs on
+# the demo's corpora (bench/results/selection-cpu.md) the only one that beat its twin on
+# the noised corpus without losing to the random control on the clean one.
+ROW_SELECTION = {"select": "ngram", "keep": 0.875, "candidates": 1}
+
+
 def row_config(config: TrainConfig, name: str) -> TrainConfig:
     """``config`` with what the row ``name`` fixes itself: a ``selects`` row selects by
-    ``config.select``, else by ``"loss"``."""
+    ``config.select`` (at its ``keep`` and ``candidates``), else by :data:`ROW_SELECTION`."""
     if OPTIMIZERS[name].selects and config.select is None:
-        return dataclasses.replace(config, select="loss")
+        return dataclasses.replace(config, **ROW_SELECTION)
     return config
 
 

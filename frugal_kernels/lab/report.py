@@ -36,7 +36,8 @@ def collect_metrics(config: TrainConfig, data: TokenDataset, results: dict[str, 
     for name, result in results.items():
         entry = (OPTIMIZERS if rows is None else rows)[name]
         run = {"label": entry.label, "color": entry.color,
-               "budget_from": entry.budget_from, "tuned": tuned.get(name),
+               "budget_from": entry.budget_from, "twin": getattr(entry, "twin", None),
+               "tuned": tuned.get(name),
                **result.to_dict()}
         run["label"] = entry.describe(run) if entry.describe else entry.label
         run["note"] = entry.note(run) if callable(entry.note) else entry.note
@@ -117,6 +118,7 @@ def table(metrics: dict[str, Any]) -> str:
     for part in (_verdict(metrics), _recommendations(metrics), _explanations(metrics)):
         if part:
             lines.append("\n" + part)
+    lines += _selection_lines(runs)
     for run in runs.values():
         source = run["budget_from"]
         if source is None or source not in runs:
@@ -127,6 +129,28 @@ def table(metrics: dict[str, Any]) -> str:
             f"of its budget (the FLOPs of the full {runs[source]['label']} run), for a "
             f"validation loss {s['final_val_loss'] / full['final_val_loss'] - 1:+.2%} against it.")
     return "\n".join(lines)
+
+
+def _selection_lines(runs: dict[str, Any]) -> list[str]:
+    """Per selecting run: its steps and FLOPs against its twin's, and on a noised corpus the
+    noise among the sequences offered and those kept."""
+    lines = []
+    for run in runs.values():
+        twin = runs.get(run.get("twin"))
+        s = run["summary"]
+        if twin is not None:
+            t = twin["summary"]
+            lines.append(f"\n{run['label']}: {s['steps']} steps for {s['flops']:.4g} FLOPs, "
+                         f"scoring counted ({t['steps']} steps for {t['flops']:.4g} without "
+                         f"selection), val loss {s['final_val_loss'] / t['final_val_loss'] - 1:+.2%} "
+                         f"against {twin['label']}.")
+        noise = s.get("noise")
+        if noise and run["config"].get("select"):
+            kinds = [k[len("kept_"):] for k in noise if k.startswith("kept_")]
+            lines.append("Noise in its batches: " + "; ".join(
+                f"{kind} {noise['offered_' + kind]:.1%} of the sequences offered, "
+                f"{noise['kept_' + kind]:.1%} of those kept" for kind in kinds) + ".")
+    return lines
 
 
 def _spread(run: dict[str, Any]) -> Optional[float]:

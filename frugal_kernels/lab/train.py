@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from frugal_kernels._layout import STATE_FREE_RULES
 from frugal_kernels._shard import local
-from frugal_kernels.lab.corpus import DEFAULT_MAX_BYTES, TokenDataset, load_corpus
+from frugal_kernels.lab.corpus import DEFAULT_MAX_BYTES, NOISE_KINDS, TokenDataset, load_corpus
 from frugal_kernels.lab.schedule import evaluation_due, governed_schedule
 from frugal_kernels.governor import Governor, optimizer_flops
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM, flops_per_token
@@ -76,12 +76,15 @@ class TrainConfig:
     starts the WSD decay (:mod:`frugal_kernels.lab.schedule`) and ends the run after it.
 
     ``select`` trains on online-selected batches (:class:`~frugal_kernels.data.OnlineSelector`
-    with policy ``select``): each step draws ``candidates`` batches, scores them in one
-    no-grad forward pass and trains on the ``keep`` fraction (``keep = 1 / candidates``
-    trains on ``batch_size`` sequences, as a plain step does); the scoring passes count in
-    the run's FLOPs (a forward is a third of :func:`~frugal_kernels.model.flops_per_token`).
-    ``"rho"`` first trains a ``tiny`` reference model on ``select_reference_steps`` batches
-    of the training split (another seed), its FLOPs counted too. With ``select_trial`` in
+    with policy ``select``): each step draws ``candidates`` batches, scores them (a no-grad
+    forward pass, or a bigram lookup under ``"ngram"``, nothing under ``"random"``) and
+    trains on the ``keep`` fraction (``keep = 1 / candidates`` trains on ``batch_size``
+    sequences, as a plain step does); the scoring counts in the run's FLOPs (a forward is a
+    third of :func:`~frugal_kernels.model.flops_per_token`). ``"rho"`` first trains a
+    ``select_reference_model`` reference model on ``select_reference_steps`` batches of the
+    training split (another seed), ``"ngram"`` counts the byte pairs of as many batches
+    (:class:`~frugal_kernels.data.BigramReference`), their FLOPs counted too
+    (:func:`selection_flops`). With ``select_trial`` in
     ``governor`` the governor turns selection on and off (docs/governor.md). ``data_noise``
     replaces that fraction of the training documents with low-value text
     (:func:`~frugal_kernels.lab.corpus.add_noise`) when the data is loaded from ``data``.
@@ -126,6 +129,7 @@ class TrainConfig:
     keep: float = 0.5
     candidates: int = 2
     select_reference_steps: int = 50
+    select_reference_model: str = "tiny"
     data_noise: float = 0.0
     badam_switch_every: int = 20
 
@@ -184,6 +188,11 @@ class TrainConfig:
         if isinstance(self.data_noise, bool) or not isinstance(self.data_noise, (int, float)) \
                 or not 0.0 <= self.data_noise < 1.0:
             raise ValueError(f"data_noise must lie in [0, 1), got {self.data_noise!r}")
+        from frugal_kernels.model import PRESETS
+
+        if self.select_reference_model not in PRESETS:
+            raise ValueError(f"select_reference_model must be one of {', '.join(PRESETS)}, "
+                             f"got {self.select_reference_model!r}")
         if self.governor.get("select_trial") is not None and self.select is None:
             raise ValueError("a governor with select_trial turns selection on and off: give "
                              "select (the policy) too")
@@ -461,8 +470,23 @@ class RunResult:
     def optimizer_time(self) -> float:
         return statistics.median(s["optimizer_time"] for s in self.steps)
 
+    def noise(self) -> Optional[dict[str, float]]:
+        """On a noised corpus, the fraction of the sequences offered and of those trained on
+        that were noise of each kind (``offered_shuffled``, ``kept_shuffled``, ...); None on
+        a clean one."""
+        if not self.steps or "offered" not in self.steps[0]:
+            return None
+        offered = sum(s["offered"] for s in self.steps)
+        kept = sum(s["kept"] for s in self.steps)
+        out = {}
+        for kind in NOISE_KINDS[1:]:
+            out[f"offered_{kind}"] = sum(s[f"offered_{kind}"] for s in self.steps) / offered
+            out[f"kept_{kind}"] = sum(s[f"kept_{kind}"] for s in self.steps) / kept
+        return out
+
     def summary(self) -> dict[str, Any]:
         return {
+            "noise": self.noise(),
             "steps": self.steps_done,
             "final_val_loss": self.final_val_loss,
             "state_bytes": self.state_bytes,
@@ -509,28 +533,79 @@ def _evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
     return total / len(batches)
 
 
-def _reference_model(data: TokenDataset, config: TrainConfig,
-                     device: torch.device) -> tuple[nn.Module, float]:
-    """RHO-LOSS's reference: a ``tiny`` model trained with AdamW on batches of the training
-    split drawn with another seed, and the FLOPs that cost. The reference sees what the
-    trained model sees, noise included: it cannot predict the noise either, so subtracting
-    its loss leaves what is learnable and not yet learnt."""
-    model = LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=data.vocab_size,
-                                                     max_seq_len=config.seq_len),
-                             seed=config.seed + 1).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+def _reference_model(data: TokenDataset, config: TrainConfig, device: torch.device):
+    """The reference of ``config.select``: RHO-LOSS's, a ``select_reference_model`` model
+    trained with AdamW on ``select_reference_steps`` batches of the training split drawn
+    with another seed; ``"ngram"``'s, a :class:`~frugal_kernels.data.BigramReference`
+    counted on the same batches; None for the other policies. The references see what the
+    trained model sees, noise included: RHO's cannot predict the noise either, so
+    subtracting its loss leaves what is learnable and not yet learnt; the bigram's counts
+    are mostly of clean text, under which shuffled bytes are improbable."""
+    from frugal_kernels.data import BigramReference
+
+    if config.select not in ("rho", "ngram"):
+        return None
     batches = data.batches("train", config.batch_size, config.seq_len,
                            seed=config.seed + 1, device=device,
                            num_batches=config.select_reference_steps)
+    if config.select == "ngram":
+        reference = BigramReference(data.vocab_size)
+        for input_ids, labels in batches:
+            reference.fit(input_ids, labels)
+        return reference
+    model = LlamaForCausalLM(_reference_config(config, data.vocab_size),
+                             seed=config.seed + 1).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for input_ids, labels in batches:
         model(input_ids, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     model.eval()
-    spent = (config.select_reference_steps * config.tokens_per_step()
-             * flops_per_token(model.config, config.seq_len)
-             + config.select_reference_steps * optimizer_flops(model.config.num_params(), "adamw"))
-    return model, float(spent)
+    return model
+
+
+def _reference_config(config: TrainConfig, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig.from_preset(config.select_reference_model, vocab_size=vocab_size,
+                                   max_seq_len=config.seq_len)
+
+
+def selection_flops(config: TrainConfig, vocab_size: int) -> tuple[float, float]:
+    """``(once, per_step)`` of a run selecting by ``config.select``: the FLOPs of building
+    its reference (``"rho"``: the reference model's training steps, forward, backward and
+    AdamW; ``"ngram"``: the bigram counts) and those of one selected step's model passes,
+    training and scoring (the optimizer's step not included)."""
+    from frugal_kernels.data import BigramReference, scoring_flops_per_token
+
+    if config.select is None:
+        raise ValueError("selection_flops: config.select is None")
+    fpt = flops_per_token(config.model_config(vocab_size), config.seq_len)
+    reference_fpt, once = 0.0, 0.0
+    reference_tokens = config.select_reference_steps * config.tokens_per_step()
+    if config.select == "rho":
+        reference_config = _reference_config(config, vocab_size)
+        reference_fpt = flops_per_token(reference_config, config.seq_len)
+        once = (reference_tokens * reference_fpt + config.select_reference_steps
+                * optimizer_flops(reference_config.num_params(), "adamw"))
+    elif config.select == "ngram":
+        once = reference_tokens * BigramReference.FLOPS_PER_TOKEN
+    # A forward pass is a third of a training step's 6N FLOPs per token (2N of them).
+    scoring = scoring_flops_per_token(config.select, fpt / 3, reference_fpt / 3)
+    per_step = (config.selected_batch() * config.seq_len * fpt
+                + config.candidates * config.tokens_per_step() * scoring)
+    return float(once), float(per_step)
+
+
+def equal_flops_steps(config: TrainConfig, twin_flops: float, twin_steps: int,
+                      vocab_size: int) -> int:
+    """The steps a run selecting by ``config.select`` takes to spend the FLOPs of its twin,
+    the same run without selection that took ``twin_steps`` steps for ``twin_flops``: its
+    reference's FLOPs, then as many selected steps as the rest pays for, each costing its
+    model passes (:func:`selection_flops`) and the twin's mean optimizer step (the same
+    optimizer): the most steps those FLOPs pay for (at least 1)."""
+    once, per_step = selection_flops(config, vocab_size)
+    fpt = flops_per_token(config.model_config(vocab_size), config.seq_len)
+    optimizer_step = (twin_flops - twin_steps * config.tokens_per_step() * fpt) / twin_steps
+    return max(1, math.floor((twin_flops - once) / (per_step + optimizer_step)))
 
 
 def _ranks(config: TrainConfig) -> tuple[int, int]:
@@ -636,7 +711,9 @@ def train(
     # A resumed run skips the batches the first part drew (selected steps draw several).
     drawn = start if resume is None else int(resume.get("batches_drawn", start))
     batches = data.batches("train", config.batch_size, config.seq_len, seed=config.seed,
-                           device=device, skip=drawn)
+                           device=device, skip=drawn, with_noise=True)
+    # Noise accounting (a noised corpus): per step, the sequences offered and kept of each kind.
+    noise_kinds = NOISE_KINDS[1:] if data.noise else ()
 
     peak = PeakMemory(device)
     opt = make_optimizer(model, config)
@@ -661,10 +738,10 @@ def train(
     if config.select is not None:
         from frugal_kernels.data import OnlineSelector
 
-        if config.select == "rho":
-            reference, flops = _reference_model(data, config, device)
-            if resume is not None:
-                reference.load_state_dict(resume["selector"]["reference"])
+        reference = _reference_model(data, config, device)
+        flops = selection_flops(config, data.vocab_size)[0]
+        if reference is not None and resume is not None:
+            reference.load_state_dict(resume["selector"]["reference"])
         selector = OnlineSelector(config.select, config.keep, config.candidates,
                                   reference=reference, seed=config.seed)
     if governor is not None and flops:
@@ -705,8 +782,9 @@ def train(
         progress = False
 
     # A forward pass is a third of a training step's 6N FLOPs per token (2N of them).
-    scoring_fpt = fpt / 3 + (0.0 if reference is None
-                             else flops_per_token(reference.config, config.seq_len) / 3)
+    scoring_fpt = 0.0 if selector is None else selector.scoring_flops_per_token(
+        fpt / 3, 0.0 if not isinstance(reference, nn.Module)
+        else flops_per_token(reference.config, config.seq_len) / 3)
 
     def _loop() -> None:
         nonlocal flops, drawn
@@ -719,12 +797,15 @@ def train(
             if selecting:
                 pool = [next(batches) for _ in range(config.candidates)]
                 drawn += config.candidates
-                input_ids, labels, _ = selector.select(
-                    forward, torch.cat([ids for ids, _ in pool]),
-                    torch.cat([lab for _, lab in pool]))
+                offered = torch.cat([noise for _, _, noise in pool])
+                input_ids, labels, kept = selector.select(
+                    forward, torch.cat([ids for ids, _, _ in pool]),
+                    torch.cat([lab for _, lab, _ in pool]))
+                kept_noise = offered[kept.to(offered.device)]
                 scored = config.candidates * tokens
             else:
-                input_ids, labels = next(batches)
+                input_ids, labels, offered = next(batches)
+                kept_noise = offered
                 drawn += 1
             if world > 1:  # this rank's share of the global batch
                 input_ids = input_ids[rank * share:(rank + 1) * share]
@@ -773,6 +854,11 @@ def train(
                            **{f"optimizer/{k}": v for k, v in schedule_values.items()}})
             if selector is not None:
                 record["selected"] = selecting
+            if noise_kinds:
+                record.update({"offered": len(offered), "kept": len(kept_noise)})
+                for code, kind in enumerate(noise_kinds, 1):
+                    record[f"offered_{kind}"] = int((offered == code).sum())
+                    record[f"kept_{kind}"] = int((kept_noise == code).sum())
             if governor is not None:
                 governor.step(trained, optimizer_flops=opt_flops + scored * scoring_fpt)
 
