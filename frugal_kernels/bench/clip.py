@@ -8,6 +8,10 @@ fused AdamW's step, all in the same rounds. Two parameter sets: one 4096 x 4096 
 matrix, and the LLaMA shapes of a preset (the embeddings and head on AdamW, the blocks'
 matrices projected).
 
+Beside them, FRUGAL rows with ``nonfinite="propagate"`` (no non-finite decision at all), so
+that the default's own cost is the difference of two rows of one run, and FRUGAL blocks at
+density 0.25, the demo's default projection.
+
 Every candidate steps the same parameters with the same gradients (the values drift,
 which timing does not mind); the clip's factor stays below 1 so that it bites.
 """
@@ -23,18 +27,19 @@ import frugal_kernels as fk
 from frugal_kernels.bench.timing import measure
 from frugal_kernels.model import LlamaConfig, LlamaForCausalLM
 
-# (label, projection, density); None: the swapped torch AdamW.
-ROWS: List[Tuple[str, str, float]] = [
-    (f"frugal_{kind}_rho{density:g}", kind, density)
+# (label, projection, density, nonfinite).
+ROWS: List[Tuple[str, str, float, str]] = [
+    (f"frugal_{kind}_rho{density:g}", kind, density, "skip")
     for kind in ("rows", "columns", "randk") for density in (1.0, 0.25)
-]
+] + [(f"frugal_rows_rho{density:g}_propagate", "rows", density, "propagate")
+     for density in (1.0, 0.25)] + [("frugal_blocks_rho0.25", "blocks", 0.25, "skip")]
 MAX_NORM = 1.0
 
 
-def _param_sets(preset: str, device: torch.device) -> Dict[str, nn.Module]:
-    single = nn.Linear(4096, 4096, bias=False).to(device)
+def _param_sets(preset: str, device: torch.device, side: int) -> Dict[str, nn.Module]:
+    single = nn.Linear(side, side, bias=False).to(device)
     config = LlamaConfig.from_preset(preset, vocab_size=32000)
-    return {"16M single tensor": single,
+    return {f"{side * side / 2**20:.3g}M single tensor": single,
             f"LLaMA-{preset}": LlamaForCausalLM(config, seed=0).to(device)}
 
 
@@ -52,8 +57,8 @@ def _candidates(model: nn.Module) -> Dict[str, Callable[[], None]]:
     fused = torch.optim.AdamW(params, lr=1e-5, fused=True)
     swapped = fk.swap(torch.optim.AdamW(params, lr=1e-5))
     ours = {label: fk.FRUGAL(_groups(model), lr=1e-5, projection=kind, density=density,
-                             update_gap=10**9)
-            for label, kind, density in ROWS}
+                             update_gap=10**9, nonfinite=nonfinite)
+            for label, kind, density, nonfinite in ROWS}
     ours["adamw_swapped"] = swapped
 
     def torch_clip_step():
@@ -76,10 +81,11 @@ def _clip_step(opt) -> Callable[[], None]:
     return run
 
 
-def clip_rows(preset: str, *, device: torch.device, rounds: int) -> dict:
-    """The step and clip+step times per parameter set, with their ratios to torch's."""
+def clip_rows(preset: str, *, device: torch.device, rounds: int, side: int = 4096) -> dict:
+    """The step and clip+step times per parameter set (a ``side x side`` matrix and the
+    preset's LLaMA shapes), with their ratios to torch's."""
     out = {}
-    for name, model in _param_sets(preset, device).items():
+    for name, model in _param_sets(preset, device, side).items():
         seconds = measure(_candidates(model), device=device, rounds=rounds)
         step, clip = seconds["torch_adamw_fused"], seconds["torch_clip+adamw_fused"]
         rows = []
