@@ -67,15 +67,22 @@ SPEC = OpSpec("adamw_int8_", (
 Tensors = SPEC.Tensors
 
 
+def moments8_batch(ext, t):
+    """The C++ kernels' view of ``t``'s 8-bit moments: their codes' and scales' addresses
+    and the block layout of each moment tensor (the parameter's shape for adamw_int8_,
+    the compact subset's for frugal_step_int8_)."""
+    blocks = [MomentBlocks(m.shape) for m in t.exp_avgs]
+    return ext.Moments8Batch(exp_avgs=addresses(t.exp_avgs),
+                             exp_avg_scales=addresses(t.exp_avg_scales),
+                             exp_avg_sqs=addresses(t.exp_avg_sqs),
+                             exp_avg_sq_scales=addresses(t.exp_avg_sq_scales),
+                             rows=[b.rows for b in blocks], cols=[b.cols for b in blocks])
+
+
 @SPEC.prepared("cpu")
 def _prepare_cpu(ext, t) -> Call:
     batch = GatheredBatch(t.params)
-    blocks = [MomentBlocks(p.shape) for p in t.params]
-    moments = ext.Moments8Batch(exp_avgs=addresses(t.exp_avgs),
-                                exp_avg_scales=addresses(t.exp_avg_scales),
-                                exp_avg_sqs=addresses(t.exp_avg_sqs),
-                                exp_avg_sq_scales=addresses(t.exp_avg_sq_scales),
-                                rows=[b.rows for b in blocks], cols=[b.cols for b in blocks])
+    moments = moments8_batch(ext, t)
 
     def call(grads: List[int], h) -> None:
         ext.adamw_int8_cpu(batch.with_grads(ext, grads), moments, h.kernel(ext),

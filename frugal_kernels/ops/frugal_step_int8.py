@@ -18,9 +18,10 @@ import torch
 from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import MOMENT_CODE_DTYPES, SUBSET_KINDS, MomentBlocks, subset_state_shape
-from frugal_kernels.ops._common import GatheredBatch, addresses, check_batch, subset_batch
+from frugal_kernels.ops._common import GatheredBatch, check_batch, subset_batch
 from frugal_kernels.ops._spec import OpSpec, amp, tensors, text
 from frugal_kernels.ops.adamw import adamw_hyper
+from frugal_kernels.ops.adamw_int8 import moments8_batch
 from frugal_kernels.ops.frugal_step import FrugalHyper, check_subsets, state_free_hyper, validate_indices
 from frugal_kernels.ops.prepared import Call
 
@@ -93,12 +94,7 @@ Tensors = SPEC.Tensors
 def _prepare_cpu(ext, t) -> Call:
     batch = GatheredBatch(t.params)
     subsets = subset_batch(ext, t.params, t.indices, t.kind)
-    blocks = [MomentBlocks(m.shape) for m in t.exp_avgs]
-    moments = ext.Moments8Batch(exp_avgs=addresses(t.exp_avgs),
-                                exp_avg_scales=addresses(t.exp_avg_scales),
-                                exp_avg_sqs=addresses(t.exp_avg_sqs),
-                                exp_avg_sq_scales=addresses(t.exp_avg_sq_scales),
-                                rows=[b.rows for b in blocks], cols=[b.cols for b in blocks])
+    moments = moments8_batch(ext, t)
 
     def call(grads: List[int], h) -> None:
         ext.frugal_step_int8_cpu(batch.with_grads(ext, grads), subsets, moments, h.kernel(ext),
