@@ -289,29 +289,39 @@ def frugal_step_(
     if found_inf:
         return
     for p, g, m, v, idx in zip(params, grads, exp_avgs, exp_avg_sqs, indices):
-        p32, g32 = p.float(), _unscaled(g, grad_scale)
-        idx = idx.long()
-        if kind == "rows":
-            full_p, full_g = p32[idx], g32[idx]
-        elif kind == "columns":
-            full_p, full_g = p32[..., idx], g32[..., idx]
-        elif kind == "flat":
-            full_p, full_g = p32.reshape(-1)[idx], g32.reshape(-1)[idx]
-        else:
-            raise ValueError(f"unknown subset kind {kind!r}")
+        _subset_step(p, g, idx, kind, grad_scale,
+                     lambda full_p, full_g: adamw_(
+                         [full_p], [full_g], [m], [v], lr=lr, beta1=beta1, beta2=beta2,
+                         eps=eps, weight_decay=weight_decay, step=step),
+                     lr=lr, weight_decay=weight_decay, scale=state_free_scale,
+                     state_free=state_free)
 
-        adamw_([full_p], [full_g], [m], [v], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-               weight_decay=weight_decay, step=step)
-        new_p = _state_free_update(p32, g32, lr=lr, weight_decay=weight_decay,
-                                   scale=state_free_scale, state_free=state_free)
 
-        if kind == "rows":
-            new_p[idx] = full_p
-        elif kind == "columns":
-            new_p[..., idx] = full_p
-        else:
-            new_p.view(-1)[idx] = full_p
-        p.copy_(new_p)
+def _subset_step(p: Tensor, g: Tensor, idx: Tensor, kind: str, grad_scale: Optional[float],
+                 full_step, **state_free_options) -> None:
+    """One tensor's split step: the state-full rows, columns or flat coordinates named by
+    ``idx`` gathered (as new contiguous tensors) and updated in place by
+    ``full_step(full_p, full_g)``, every coordinate taking the state-free rule, the
+    state-full ones then written back over it."""
+    p32, g32 = p.float(), _unscaled(g, grad_scale)
+    idx = idx.long()
+    if kind == "rows":
+        full_p, full_g = p32[idx], g32[idx]
+    elif kind == "columns":
+        full_p, full_g = p32[..., idx], g32[..., idx]
+    elif kind == "flat":
+        full_p, full_g = p32.reshape(-1)[idx], g32.reshape(-1)[idx]
+    else:
+        raise ValueError(f"unknown subset kind {kind!r}")
+    full_step(full_p, full_g)
+    new_p = _state_free_update(p32, g32, **state_free_options)
+    if kind == "rows":
+        new_p[idx] = full_p
+    elif kind == "columns":
+        new_p[..., idx] = full_p
+    else:
+        new_p.view(-1)[idx] = full_p
+    p.copy_(new_p)
 
 
 @torch.no_grad()
@@ -346,21 +356,12 @@ def frugal_step_int8_(
         raise ValueError(f"frugal_step_int8_ takes kind 'rows' or 'columns', not {kind!r}")
     for p, g, mq, ms, vq, vs, idx in zip(params, grads, exp_avgs, exp_avg_scales, exp_avg_sqs,
                                          exp_avg_sq_scales, indices):
-        p32, g32 = p.float(), _unscaled(g, grad_scale)
-        idx = idx.long()
-        if kind == "rows":
-            full_p, full_g = p32[idx], g32[idx]
-        else:
-            full_p, full_g = p32[..., idx].contiguous(), g32[..., idx].contiguous()
-        adamw_int8_([full_p], [full_g], [mq], [ms], [vq], [vs], lr=lr, beta1=beta1, beta2=beta2,
-                    eps=eps, weight_decay=weight_decay, step=step)
-        new_p = _state_free_update(p32, g32, lr=lr, weight_decay=weight_decay,
-                                   scale=state_free_scale, state_free=state_free)
-        if kind == "rows":
-            new_p[idx] = full_p
-        else:
-            new_p[..., idx] = full_p
-        p.copy_(new_p)
+        _subset_step(p, g, idx, kind, grad_scale,
+                     lambda full_p, full_g: adamw_int8_(
+                         [full_p], [full_g], [mq], [ms], [vq], [vs], lr=lr, beta1=beta1,
+                         beta2=beta2, eps=eps, weight_decay=weight_decay, step=step),
+                     lr=lr, weight_decay=weight_decay, scale=state_free_scale,
+                     state_free=state_free)
 
 
 @torch.no_grad()
