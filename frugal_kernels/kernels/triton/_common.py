@@ -124,6 +124,32 @@ def device_scalars(scalars: Sequence[Tensor], device: torch.device) -> List[Tens
     return [s.detach().reshape(()).to(device=device, dtype=torch.float64) for s in scalars]
 
 
+def adamw_launch(lr: Tensor, step: Tensor, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, device: torch.device, scalars_in_kernel: bool,
+                 state_free_scale: Optional[float] = None
+                 ) -> Tuple[Tuple[float, ...], List[int], List[Tensor]]:
+    """AdamW's scalars for one launch, as the AdamW-family kernels take them: ``(scalars,
+    tail, alive)``. On the host, ``scalars`` are :func:`adamw_scalars` (and, with a
+    ``state_free_scale``, the state-free step ``lr * scale`` after them) and the tail is
+    empty. In the kernel, the table's tail points at fp64 copies of ``lr`` and ``step``
+    (``alive``: keep them until the launch is queued) and carries ``weight_decay``,
+    ``log(beta1)``, ``log(beta2)`` (and the state-free scale) as fp64 bits; the scalars
+    the kernel derives (decay, step size, bc2_sqrt, the state-free step) are zeros."""
+    if not scalars_in_kernel:
+        scalars = adamw_scalars(float(lr), beta1, beta2, eps, weight_decay, float(step))
+        if state_free_scale is not None:
+            scalars += (sign_scalars(float(lr), weight_decay, state_free_scale)[1],)
+        return scalars, [], []
+    alive = device_scalars((lr, step), device)
+    tail = [s.data_ptr() for s in alive] + [
+        f64_bits(weight_decay), f64_bits(log_beta(beta1)), f64_bits(log_beta(beta2))]
+    scalars = (0.0, 1.0 - beta1, beta2, 1.0 - beta2, 0.0, 0.0, eps)
+    if state_free_scale is not None:
+        tail.append(f64_bits(state_free_scale))
+        scalars += (0.0,)
+    return scalars, tail, alive
+
+
 def amp_scalars(grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
                 device: Optional[torch.device]) -> Tuple[Optional[Tensor], bool]:
     """GradScaler's tensors as a kernel reads them: an fp32 pair (inverse scale,

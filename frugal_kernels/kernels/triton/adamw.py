@@ -16,10 +16,8 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, adamw_scalars, amp_in_kernel, amp_scalars, adamw_scalars_in_kernel, aligned,
-    device_scalars, f64_bits,
-    field_ptr, find_tile, launch_table, load_tile, log_beta, start, store_tile, tail_f64,
-    tail_scalar)
+    TL_DTYPES, adamw_launch, adamw_scalars_in_kernel, aligned, amp_in_kernel, amp_scalars,
+    field_ptr, find_tile, launch_table, load_tile, start, store_tile, tail_f64, tail_scalar)
 
 # Not tuned on hardware yet (no GPU at hand when written): 16 fp32 values per
 # thread give four 16-byte loads per stream in flight, a usual choice for a
@@ -108,15 +106,8 @@ def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence
     items, device, scalars_in_kernel = start(params, (lr, step), scalars_in_kernel)
     if not items:
         return
-    tail, alive = [], []
-    if scalars_in_kernel:
-        alive = device_scalars((lr, step), device)
-        tail = [s.data_ptr() for s in alive] + [
-            f64_bits(weight_decay), f64_bits(log_beta(beta1)), f64_bits(log_beta(beta2))]
-        # decay, step_size and bc2_sqrt (the zeros) are derived in the kernel.
-        scalars = (0.0, 1.0 - beta1, beta2, 1.0 - beta2, 0.0, 0.0, eps)
-    else:
-        scalars = adamw_scalars(float(lr), beta1, beta2, eps, weight_decay, float(step))
+    scalars, tail, alive = adamw_launch(lr, step, beta1, beta2, eps, weight_decay, device,
+                                        scalars_in_kernel)
     amp, use_amp = amp_scalars(grad_scale, found_inf, device)
     tensors = [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in items]
     records = [[t.data_ptr() for t in group] + [group[0].numel()] for group in tensors]

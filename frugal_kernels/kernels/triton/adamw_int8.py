@@ -21,9 +21,8 @@ import triton.language as tl
 
 from frugal_kernels._layout import MOMENT_BLOCK, MomentBlocks
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, adamw_scalars, adamw_scalars_in_kernel, amp_scalars,
-    device_scalars, f64_bits, field_ptr, find_tile, from_param, launch_table, log_beta, start,
-    tail_f64, tail_scalar, to_param)
+    TL_DTYPES, adamw_launch, adamw_scalars_in_kernel, amp_scalars, field_ptr, find_tile,
+    from_param, launch_table, start, tail_f64, tail_scalar, to_param)
 
 NB = 8  # blocks per program: 2048 elements, as a tile of adamw_'s half
 NUM_WARPS = 8
@@ -143,14 +142,8 @@ def adamw_int8_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     items, device, scalars_in_kernel = start(params, (lr, step), scalars_in_kernel)
     if not items:
         return
-    tail, alive = [], []
-    if scalars_in_kernel:
-        alive = device_scalars((lr, step), device)
-        tail = [s.data_ptr() for s in alive] + [
-            f64_bits(weight_decay), f64_bits(log_beta(beta1)), f64_bits(log_beta(beta2))]
-        scalars = (0.0, 1.0 - beta1, beta2, 1.0 - beta2, 0.0, 0.0, eps)
-    else:
-        scalars = adamw_scalars(float(lr), beta1, beta2, eps, weight_decay, float(step))
+    scalars, tail, alive = adamw_launch(lr, step, beta1, beta2, eps, weight_decay, device,
+                                        scalars_in_kernel)
     amp, use_amp = amp_scalars(grad_scale, found_inf, device)
     blocks = [MomentBlocks(params[i].shape) for i in items]
     counts = [b.rows * b.per_row for b in blocks]

@@ -40,9 +40,8 @@ import triton.language as tl
 from frugal_kernels import _quant
 from frugal_kernels._layout import STATE_FREE_CODES, matrix_view
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, TL_INDEX_DTYPES, adamw_scalars, adamw_scalars_in_kernel, amp_in_kernel,
-    amp_scalars, device_scalars, f64_bits, field_ptr, find_tile, from_param, launch_table,
-    log_beta, lower_bound, sign_scalars, start, tail_f64, tail_scalar)
+    TL_DTYPES, TL_INDEX_DTYPES, adamw_launch, adamw_scalars_in_kernel, amp_in_kernel, amp_scalars,
+    field_ptr, find_tile, from_param, launch_table, lower_bound, start, tail_f64, tail_scalar)
 from frugal_kernels.kernels.triton.adamw import adamw_update
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
 
@@ -257,18 +256,8 @@ def dqt_update_(codes: Sequence[Tensor], scales: Sequence[Tensor], grads: Sequen
     items, device, scalars_in_kernel = start(grads, (lr, step), scalars_in_kernel)
     if not items:
         return
-    tail, alive = [], []
-    if scalars_in_kernel:
-        alive = device_scalars((lr, step), device)
-        tail = [s.data_ptr() for s in alive] + [
-            f64_bits(weight_decay), f64_bits(log_beta(beta1)), f64_bits(log_beta(beta2)),
-            f64_bits(state_free_scale)]
-        # decay, step_size, bc2_sqrt and the state-free step (the zeros) are
-        # derived in the kernel.
-        scalars = (0.0, 1.0 - beta1, beta2, 1.0 - beta2, 0.0, 0.0, eps, 0.0)
-    else:
-        scalars = adamw_scalars(float(lr), beta1, beta2, eps, weight_decay, float(step)) + (
-            sign_scalars(float(lr), weight_decay, state_free_scale)[1],)
+    scalars, tail, alive = adamw_launch(lr, step, beta1, beta2, eps, weight_decay, device,
+                                        scalars_in_kernel, state_free_scale)
     amp, use_amp = amp_scalars(grad_scale, found_inf, device)
     records, padded = [], []
     for i in items:

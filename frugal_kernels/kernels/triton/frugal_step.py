@@ -39,10 +39,9 @@ import triton
 import triton.language as tl
 
 from frugal_kernels.kernels.triton._common import (
-    TL_DTYPES, TL_INDEX_DTYPES, adamw_scalars, adamw_scalars_in_kernel, aligned, amp_in_kernel,
-    amp_scalars, device_scalars,
-    f64_bits, field_ptr, find_tile, from_param, launch_table, load_tile, log_beta, lower_bound,
-    sign_scalars, start, store_tile, tail_f64, tail_scalar, to_param)
+    TL_DTYPES, TL_INDEX_DTYPES, adamw_launch, adamw_scalars_in_kernel, aligned, amp_in_kernel,
+    amp_scalars, field_ptr, find_tile, from_param, launch_table, load_tile, lower_bound, start,
+    store_tile, tail_f64, tail_scalar, to_param)
 from frugal_kernels.kernels.triton.adamw import adamw_update
 from frugal_kernels.kernels.triton.sign_sgd import state_free_update
 from frugal_kernels._layout import STATE_FREE_CODES, matrix_view
@@ -196,18 +195,8 @@ def frugal_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
     items, device, scalars_in_kernel = start(params, (lr, step), scalars_in_kernel)
     if not items:
         return
-    tail, alive = [], []
-    if scalars_in_kernel:
-        alive = device_scalars((lr, step), device)
-        tail = [s.data_ptr() for s in alive] + [
-            f64_bits(weight_decay), f64_bits(log_beta(beta1)), f64_bits(log_beta(beta2)),
-            f64_bits(state_free_scale)]
-        # decay, step_size, bc2_sqrt and the state-free step (the zeros) are
-        # derived in the kernel.
-        scalars = (0.0, 1.0 - beta1, beta2, 1.0 - beta2, 0.0, 0.0, eps, 0.0)
-    else:
-        scalars = adamw_scalars(float(lr), beta1, beta2, eps, weight_decay, float(step)) + (
-            sign_scalars(float(lr), weight_decay, state_free_scale)[1],)
+    scalars, tail, alive = adamw_launch(lr, step, beta1, beta2, eps, weight_decay, device,
+                                        scalars_in_kernel, state_free_scale)
     amp, use_amp = amp_scalars(grad_scale, found_inf, device)
     records = []
     for i in items:
