@@ -5,7 +5,8 @@ schema (the lists of tensors it updates or reads, the per-call settings such as 
 subset kind, and the hyper-parameters with their types, defaults and checks), the
 metadata check that no argument can make alone, and one implementation per backend
 that the capability table (:data:`frugal_kernels.ops._dispatch.CAPABILITIES`) lists
-for it. From it come:
+for it (the ``torch`` and ``triton`` ones are the reference function and the Triton
+launcher of the op's name unless the module declares others). From it come:
 
 - the hyper-parameter record (a :class:`~frugal_kernels.ops._common.Hyper` subclass,
   named as its struct in ``_C``) and the ``Tensors`` record the backends take;
@@ -26,6 +27,7 @@ and the math of each backend.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -33,6 +35,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 from torch import Tensor
 
+from frugal_kernels import reference
 from frugal_kernels.ops import _dispatch
 from frugal_kernels.ops._common import (Hyper, Scalar, as_scalar_tensor, check_amp,
                                         check_no_overlap, check_scalars, skipped_on_host)
@@ -319,10 +322,29 @@ class OpSpec:
 
     # ---------------------------------------------------------- what is made
 
+    def _standard_backends(self) -> None:
+        """The two backends every in-place op has alike, where the capability table lists
+        them and the op's module declared no other: ``torch``, the readable reference
+        ``frugal_kernels.reference.<name>`` on host hyper-parameters, and ``triton``, the
+        launcher ``<name>`` of ``frugal_kernels.kernels.triton.<name without its _>``,
+        imported at its first call (Triton is an optional dependency)."""
+        listed = _dispatch.CAPABILITIES[self.op]
+        if "torch" in listed and "torch" not in self.impls:
+            math_fn = getattr(reference, self.name)
+            self.impls["torch"] = lambda t, h: self.call(math_fn, t, h.on_host())
+        if "triton" in listed and "triton" not in self.impls:
+            module = f"frugal_kernels.kernels.triton.{self.name.rstrip('_')}"
+
+            def triton(t: NamedTuple, h: Hyper) -> None:
+                self.call(getattr(importlib.import_module(module), self.name), t, h.values())
+            self.impls["triton"] = triton
+
     def register(self, doc: str) -> Callable:
         """Register the op and its fake kernel; return the public function (``doc`` its
-        docstring). Refuses a spec whose backends are not those of the capability
+        docstring). Adds the standard ``torch`` and ``triton`` backends the module did not
+        declare, then refuses a spec whose backends are not those of the capability
         table."""
+        self._standard_backends()
         self.impls.complete()
         params = [inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                     annotation=a.annotation) for a in self.args]

@@ -6,7 +6,6 @@ from typing import Any, List, Tuple
 
 import torch
 
-from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops._common import GatheredBatch, check_batch
 from frugal_kernels.ops._spec import (REQUIRED, Arg, OpSpec, amp, flag, non_negative, real, scalar,
@@ -55,18 +54,6 @@ def _prepare_cuda(ext, t) -> Call:
         with launch(ext, h, device) as (hyper, scalars, stream):
             ext.adamw_cuda(batch.with_grads(ext, grads), hyper, scalars, stream)
     return call
-
-
-@SPEC.backend("triton")
-def _triton(t, h) -> None:
-    from frugal_kernels.kernels.triton.adamw import adamw_ as kernel
-
-    SPEC.call(kernel, t, h.values())
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.adamw_, t, h.on_host())
 
 
 _cpu, _cuda = SPEC.impls["cpu"], SPEC.impls["cuda"]

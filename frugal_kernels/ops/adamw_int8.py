@@ -14,7 +14,6 @@ from typing import List
 
 import torch
 
-from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import MOMENT_CODE_DTYPES, MomentBlocks
 from frugal_kernels.ops._common import GatheredBatch, addresses, check_batch
@@ -88,18 +87,6 @@ def _prepare_cpu(ext, t) -> Call:
         ext.adamw_int8_cpu(batch.with_grads(ext, grads), moments, h.kernel(ext),
                            torch.get_num_threads())
     return call
-
-
-@SPEC.backend("triton")
-def _triton(t, h) -> None:
-    from frugal_kernels.kernels.triton.adamw_int8 import adamw_int8_ as kernel
-
-    SPEC.call(kernel, t, h.values())
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.adamw_int8_, t, h.on_host())
 
 
 _cpu = SPEC.impls["cpu"]

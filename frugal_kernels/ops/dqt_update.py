@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from frugal_kernels import _quant, reference
+from frugal_kernels import _quant
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import DTYPE_CODES, PARAM_DTYPES, SUBSET_KINDS, subset_state_shape
 from frugal_kernels.ops._common import addresses, numels, subset_batch
@@ -150,18 +150,6 @@ def _cuda(t, h) -> None:
     ext = extension()
     with launch(ext, h, t.grads[0].device) as (hyper, scalars, stream):
         ext.dqt_update_cuda(*_kernel_batches(ext, t), hyper, scalars, stream)
-
-
-@SPEC.backend("triton")
-def _triton(t, h) -> None:
-    from frugal_kernels.kernels.triton.dqt_update import dqt_update_ as kernel
-
-    SPEC.call(kernel, t, h.values())
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.dqt_update_, t, h.on_host())
 
 
 dqt_update_ = SPEC.register(

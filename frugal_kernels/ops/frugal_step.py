@@ -14,7 +14,6 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import STATE_FREE_RULES, SUBSET_KINDS, subset_dim, subset_state_shape
 from frugal_kernels.ops._common import GatheredBatch, check_batch, subset_batch
@@ -120,18 +119,6 @@ def _prepare_cuda(ext, t) -> Call:
         with launch(ext, h, device) as (hyper, scalars, stream):
             ext.frugal_step_cuda(batch.with_grads(ext, grads), subsets, hyper, scalars, stream)
     return call
-
-
-@SPEC.backend("triton")
-def _triton(t, h) -> None:
-    from frugal_kernels.kernels.triton.frugal_step import frugal_step_ as kernel
-
-    SPEC.call(kernel, t, h.values())
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.frugal_step_, t, h.on_host())
 
 
 _cpu, _cuda = SPEC.impls["cpu"], SPEC.impls["cuda"]

@@ -15,7 +15,6 @@ from typing import List
 
 import torch
 
-from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import MOMENT_CODE_DTYPES, SUBSET_KINDS, MomentBlocks, subset_state_shape
 from frugal_kernels.ops._common import GatheredBatch, check_batch, subset_batch
@@ -100,18 +99,6 @@ def _prepare_cpu(ext, t) -> Call:
         ext.frugal_step_int8_cpu(batch.with_grads(ext, grads), subsets, moments, h.kernel(ext),
                                  torch.get_num_threads())
     return call
-
-
-@SPEC.backend("triton")
-def _triton(t, h) -> None:
-    from frugal_kernels.kernels.triton.frugal_step_int8 import frugal_step_int8_ as kernel
-
-    SPEC.call(kernel, t, h.values())
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.frugal_step_int8_, t, h.on_host())
 
 
 _cpu = SPEC.impls["cpu"]

@@ -23,7 +23,6 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import (LEFT, RIGHT, SIDES, matrix_shape, projection_rank,
                                     projection_shapes)
@@ -102,11 +101,6 @@ def _prepare_cpu(ext, t) -> Call:
         ext.lowrank_adamw_step_cpu(batch.with_grads(ext, grads), lowrank, h.kernel(ext),
                                    torch.get_num_threads())
     return call
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.lowrank_adamw_step_, t, h.on_host())
 
 
 lowrank_adamw_step_ = SPEC.register(

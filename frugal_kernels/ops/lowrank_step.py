@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels._layout import (LEFT, RIGHT, SIDES, back_project, projection_rank,
                                     projection_shapes)
@@ -87,18 +86,6 @@ def _cpu(t, h) -> None:
         up = _back_projections(u, lg, proj, side)
         ext.lowrank_step_cpu(kernel_batch(ext, [p], [g]), [up[0].data_ptr()], [up[1].data_ptr()],
                              hyper, torch.get_num_threads())
-
-
-@SPEC.backend("triton")
-def _triton(t, h) -> None:
-    from frugal_kernels.kernels.triton.lowrank_step import lowrank_step_ as kernel
-
-    SPEC.call(kernel, t, h.values())
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.lowrank_step_, t, h.on_host())
 
 
 lowrank_step_ = SPEC.register(

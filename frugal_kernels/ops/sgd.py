@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops._common import check_batch, kernel_batch
 from frugal_kernels.ops._spec import OpSpec, amp, finite, flag, real, scalar, tensors
@@ -44,18 +43,6 @@ Tensors, SgdHyper = SPEC.Tensors, SPEC.Hyper
 def _cpu(t, h) -> None:
     ext = extension()
     ext.sgd_cpu(kernel_batch(ext, *t), h.kernel(ext), torch.get_num_threads())
-
-
-@SPEC.backend("triton")
-def _triton(t, h) -> None:
-    from frugal_kernels.kernels.triton.sgd import sgd_ as kernel
-
-    SPEC.call(kernel, t, h.values())
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.sgd_, t, h.on_host())
 
 
 sgd_ = SPEC.register(

@@ -6,7 +6,6 @@ from typing import List
 
 import torch
 
-from frugal_kernels import reference
 from frugal_kernels._extension import extension
 from frugal_kernels.ops._common import GatheredBatch, check_batch
 from frugal_kernels.ops._spec import OpSpec, amp, real, scalar, tensors
@@ -46,18 +45,6 @@ def _prepare_cuda(ext, t) -> Call:
         with launch(ext, h, device) as (hyper, scalars, stream):
             ext.sign_sgd_cuda(batch.with_grads(ext, grads), hyper, scalars, stream)
     return call
-
-
-@SPEC.backend("triton")
-def _triton(t, h) -> None:
-    from frugal_kernels.kernels.triton.sign_sgd import sign_sgd_ as kernel
-
-    SPEC.call(kernel, t, h.values())
-
-
-@SPEC.backend("torch")
-def _torch(t, h) -> None:
-    SPEC.call(reference.sign_sgd_, t, h.on_host())
 
 
 _cpu, _cuda = SPEC.impls["cpu"], SPEC.impls["cuda"]
