@@ -423,14 +423,21 @@ def _state_free(bucket: Bucket, params, grads, backend, calls, amp) -> None:
                        check_indices=False, **hyper)
 
 
-def _subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
+def _frugal_hyper(bucket: Bucket, amp, state_free: Optional[str] = None) -> dict:
+    """The hyper-parameters the FRUGAL ops (frugal_step_, frugal_step_int8_,
+    lowrank_adamw_step_) take from a bucket's group: AdamW's for the state-full part, the
+    state-free rule (the group's unless ``state_free`` is given) and its lr scale."""
     group = bucket.group
     beta1, beta2 = group["betas"]
+    return dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=bucket.states[0]["step"],
+                state_free=state_free or group["state_free"],
+                state_free_scale=group["state_free_lr_scale"], **amp)
+
+
+def _subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     kind = bucket.assignment.subset_kind
-    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"],
-                 state_free=group["state_free"], state_free_scale=group["state_free_lr_scale"],
-                 **amp)
+    hyper = _frugal_hyper(bucket, amp)
     if calls is unchecked:
         _prepared(bucket, lambda: unchecked.prepare_frugal_step_(
             params, *_subsets(bucket), kind=kind, backend=backend))(grads, **hyper)
@@ -440,13 +447,8 @@ def _subset(bucket: Bucket, params, grads, backend, calls, amp) -> None:
 
 
 def _subset_int8(bucket: Bucket, params, grads, backend, calls, amp) -> None:
-    group = bucket.group
-    beta1, beta2 = group["betas"]
     kind = bucket.assignment.subset_kind
-    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"],
-                 state_free=group["state_free"], state_free_scale=group["state_free_lr_scale"],
-                 **amp)
+    hyper = _frugal_hyper(bucket, amp)
     moments = [[st[key] for st in bucket.states]
                for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
     indices = [st["indices"] for st in bucket.states]
@@ -510,12 +512,7 @@ def _lowrank(bucket: Bucket, params, grads, backend, calls, amp) -> None:
 
 def _lowrank_fused(bucket: Bucket, params, grads, backend, calls, amp) -> None:
     """The whole low-rank step of the bucket's small matrices in one op call."""
-    group = bucket.group
-    beta1, beta2 = group["betas"]
-    hyper = dict(lr=bucket.lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                 weight_decay=group["weight_decay"], step=bucket.states[0]["step"],
-                 state_free="none" if bucket.assignment.full_rank else group["state_free"],
-                 state_free_scale=group["state_free_lr_scale"], **amp)
+    hyper = _frugal_hyper(bucket, amp, "none" if bucket.assignment.full_rank else None)
     if calls is unchecked:
         _prepared(bucket, lambda: unchecked.prepare_lowrank_adamw_step_(
             params, *_projected(bucket), backend=backend))(grads, **hyper)
