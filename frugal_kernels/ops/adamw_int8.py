@@ -10,7 +10,7 @@ outside the kernel's block.
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
@@ -24,19 +24,25 @@ from frugal_kernels.ops.prepared import Call
 OP = "frugal::adamw_int8_"
 
 
-def _check(op: str, a) -> None:
-    check_batch(op, a.params, a.grads, {})
+def check_moments8(op: str, a, shapes: Sequence[Tuple[int, ...]],
+                   detail: Callable[[int, bool], str] = lambda i, is_scale: "") -> None:
+    """The four lists of 8-bit moments of an op (``a.exp_avgs``, ``a.exp_avg_scales``,
+    ``a.exp_avg_sqs``, ``a.exp_avg_sq_scales``): one contiguous tensor per param, of the
+    code or scale dtype, on the param's device, the codes shaped as ``shapes[i]`` (the
+    moments' shape: the param's, or its compact subset's) and the scales as their
+    :class:`~frugal_kernels._layout.MomentBlocks`. ``detail(i, is_scale)`` ends a shape
+    error's message."""
     n = len(a.params)
     lists = (("exp_avgs", a.exp_avgs, MOMENT_CODE_DTYPES[0], False),
              ("exp_avg_scales", a.exp_avg_scales, torch.float32, True),
              ("exp_avg_sqs", a.exp_avg_sqs, MOMENT_CODE_DTYPES[1], False),
              ("exp_avg_sq_scales", a.exp_avg_sq_scales, torch.float32, True))
-    for name, items, dtype, is_scale in lists:
+    for name, items, _, _ in lists:
         if len(items) != n:
             raise ValueError(f"{op}: got {n} params but {len(items)} {name}; the lists must "
                              "have one entry per param")
-    for i, p in enumerate(a.params):
-        want_scales = MomentBlocks(p.shape).scale_shape
+    for i, (p, shape) in enumerate(zip(a.params, shapes)):
+        want_scales = MomentBlocks(shape).scale_shape
         for name, items, dtype, is_scale in lists:
             t = items[i]
             if not isinstance(t, torch.Tensor):
@@ -47,14 +53,18 @@ def _check(op: str, a) -> None:
             if t.device != p.device:
                 raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[{i}] is on "
                                  f"{p.device}; one call takes tensors on one device")
-            want = want_scales if is_scale else tuple(p.shape)
+            want = want_scales if is_scale else tuple(shape)
             if tuple(t.shape) != tuple(want):
                 raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but must have "
-                                 f"shape {tuple(want)}")
+                                 f"shape {tuple(want)}{detail(i, is_scale)}")
             if not t.is_contiguous():
                 raise ValueError(f"{op}: {name}[{i}] is not contiguous; the op updates it in "
                                  "place and needs it contiguous")
 
+
+def _check(op: str, a) -> None:
+    check_batch(op, a.params, a.grads, {})
+    check_moments8(op, a, [tuple(p.shape) for p in a.params])
 
 SPEC = OpSpec("adamw_int8_", (
     tensors("params", written=True), tensors("grads", contiguous=True),

@@ -16,11 +16,11 @@ from typing import List
 import torch
 
 from frugal_kernels._extension import extension
-from frugal_kernels._layout import MOMENT_CODE_DTYPES, SUBSET_KINDS, MomentBlocks, subset_state_shape
+from frugal_kernels._layout import SUBSET_KINDS, subset_state_shape
 from frugal_kernels.ops._common import GatheredBatch, check_batch, subset_batch
 from frugal_kernels.ops._spec import OpSpec, amp, tensors, text
 from frugal_kernels.ops.adamw import adamw_hyper
-from frugal_kernels.ops.adamw_int8 import moments8_batch
+from frugal_kernels.ops.adamw_int8 import check_moments8, moments8_batch
 from frugal_kernels.ops.frugal_step import FrugalHyper, check_subsets, state_free_hyper, validate_indices
 from frugal_kernels.ops.prepared import Call
 
@@ -41,36 +41,10 @@ def _check(op: str, a) -> None:
         raise ValueError(f"{op}: kind 'flat' is not supported: {FLAT_REFUSAL}")
     check_subsets(op, a.params, a.indices, a.kind)
     check_batch(op, a.params, a.grads, {})
-    n = len(a.params)
-    lists = (("exp_avgs", a.exp_avgs, MOMENT_CODE_DTYPES[0], False),
-             ("exp_avg_scales", a.exp_avg_scales, torch.float32, True),
-             ("exp_avg_sqs", a.exp_avg_sqs, MOMENT_CODE_DTYPES[1], False),
-             ("exp_avg_sq_scales", a.exp_avg_sq_scales, torch.float32, True))
-    for name, items, _, _ in lists:
-        if len(items) != n:
-            raise ValueError(f"{op}: got {n} params but {len(items)} {name}; the lists must "
-                             "have one entry per param")
-    for i, p in enumerate(a.params):
-        state = tuple(subset_state_shape(p, a.kind, a.indices[i].numel()))
-        want_scales = MomentBlocks(state).scale_shape
-        for name, items, dtype, is_scale in lists:
-            t = items[i]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{op}: {name}[{i}] is a {type(t).__name__}, not a "
-                                "torch.Tensor")
-            if t.dtype != dtype:
-                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; it must be {dtype}")
-            if t.device != p.device:
-                raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[{i}] is on "
-                                 f"{p.device}; one call takes tensors on one device")
-            want = want_scales if is_scale else state
-            if tuple(t.shape) != tuple(want):
-                raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but must have "
-                                 f"shape {tuple(want)} (the subset's {a.kind} of params[{i}]"
-                                 f"{', block scales' if is_scale else ''})")
-            if not t.is_contiguous():
-                raise ValueError(f"{op}: {name}[{i}] is not contiguous; the op updates it in "
-                                 "place and needs it contiguous")
+    check_moments8(op, a, [tuple(subset_state_shape(p, a.kind, idx.numel()))
+                           for p, idx in zip(a.params, a.indices)],
+                   lambda i, is_scale: (f" (the subset's {a.kind} of params[{i}]"
+                                        f"{', block scales' if is_scale else ''})"))
 
 
 def _validate(op: str, a) -> None:
