@@ -27,6 +27,28 @@ def adamw_int8(params, **options):
                      **options)
 
 
+def resumed_mid_run(build, steps: int):
+    """Run ``build``'s optimizer 5 steps, resume a copy from its state dict (through a
+    save and load), run both to ``steps`` and hold the copy to the same bits; the
+    original optimizer and its params."""
+    params = make_params()
+    grads = grad_sequence(params, steps)
+    opt = build(params)
+    run(opt, params, grads[:5])
+    sd = roundtrip(opt.state_dict())
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = build(resumed_params)
+    resumed.load_state_dict(sd)
+    assert_same(resumed.state_dict(), opt.state_dict())
+    run(opt, params, grads[5:])
+    run(resumed, resumed_params, grads[5:])
+    for a, b in zip(params, resumed_params):
+        assert torch.equal(a, b)
+    assert_same(resumed.state_dict(), opt.state_dict())
+    return opt, params
+
+
+
 def test_int8_adamw_equals_the_reference_loop():
     """Large matrices step on 8-bit moments, exactly as reference.adamw_int8_; small and
     1-D tensors keep fp32 moments and step as reference.adamw_."""
@@ -89,20 +111,7 @@ def test_state_dict_round_trip_resumes_exactly(options):
     else:
         def build(ps):
             return adamw_int8(ps)
-    params = make_params()
-    grads = grad_sequence(params, 10)
-    opt = build(params)
-    run(opt, params, grads[:5])
-    sd = roundtrip(opt.state_dict())
-    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    resumed = build(resumed_params)
-    resumed.load_state_dict(sd)
-    assert_same(resumed.state_dict(), opt.state_dict())
-    run(opt, params, grads[5:])
-    run(resumed, resumed_params, grads[5:])
-    for a, b in zip(params, resumed_params):
-        assert torch.equal(a, b)
-    assert_same(resumed.state_dict(), opt.state_dict())
+    opt, params = resumed_mid_run(build, 10)
     assert any(st.get("exp_avg", torch.empty(0)).dtype == torch.int8
                for st in opt.state.values())
 
@@ -256,20 +265,7 @@ def test_int8_subsets_resume_exactly(projection, reset_state):
         return fk.FRUGAL([{"params": ps[-1:], "projected": False}, {"params": ps[:-1]}],
                          **HYPER, density=0.4, update_gap=3, projection=projection,
                          reset_state=reset_state, state_dtype="int8")
-    params = make_params()
-    grads = grad_sequence(params, 11)
-    opt = build(params)
-    run(opt, params, grads[:5])
-    sd = roundtrip(opt.state_dict())
-    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    resumed = build(resumed_params)
-    resumed.load_state_dict(sd)
-    assert_same(resumed.state_dict(), opt.state_dict())
-    run(opt, params, grads[5:])
-    run(resumed, resumed_params, grads[5:])
-    for a, b in zip(params, resumed_params):
-        assert torch.equal(a, b)
-    assert_same(resumed.state_dict(), opt.state_dict())
+    opt, params = resumed_mid_run(build, 11)
     assert opt.state[params[0]]["exp_avg"].dtype == torch.int8
 
 
