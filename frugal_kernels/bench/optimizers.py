@@ -157,6 +157,8 @@ def state_bytes(model: nn.Module) -> List[dict]:
     hyper = dict(lr=1e-4, weight_decay=0.01)
     configs = {
         "torch AdamW": lambda: torch.optim.AdamW(model.parameters(), **hyper),
+        "AdamW swapped, int8": lambda: fk.swap(torch.optim.AdamW(model.parameters(), **hyper),
+                                               state_dtype="int8"),
         "FRUGAL blocks rho=0.25": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25, **hyper),
         "FRUGAL columns rho=0.25": lambda: fk.FRUGAL(fk.param_groups(model), density=0.25,
                                                      projection="columns", **hyper),
