@@ -16,7 +16,10 @@ measures the loss it ends at (its replayed decay point is checked against the re
 
     python tools/governor_tuning.py --out bench/results/governor-tuning-cpu
 
-writes ``<out>.md`` and ``<out>.json`` after each run.
+writes ``<out>.md`` and ``<out>.json`` after each run, and run again it goes on from
+``<out>.json``: the twins and governed runs recorded there are not run again. Every
+setting of the grid is replayed; ``--run-windows`` limits the governed runs to the decay
+points of settings with those windows.
 """
 
 from __future__ import annotations
@@ -98,9 +101,15 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--max-bytes", type=int, default=100_000)
     parser.add_argument("--second", default=str(Path(__file__).resolve().parents[1] / "docs"))
+    parser.add_argument("--run-windows", type=int, nargs="+", default=WINDOWS,
+                        help="run the decay points of these windows' settings (default: all)")
     args = parser.parse_args()
-    record = {"command": "python tools/governor_tuning.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+    done = (json.loads(args.out.with_suffix(".json").read_text())["corpora"]
+            if args.out.with_suffix(".json").exists() else {})
+    options = " ".join(f"--{k.replace('_', '-')} " + (" ".join(map(str, v))
+                                                      if isinstance(v, (list, tuple)) else str(v))
+                       for k, v in vars(args).items())
+    record = {"command": f"python tools/governor_tuning.py {options}",
               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "load": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
               "steps": args.steps, "eval_every": args.eval_every, "corpora": {}}
@@ -114,23 +123,28 @@ def main() -> None:
         config = dataclasses.replace(base, data=data)
         source = f"{data or 'the standard library without its tests'}, first " \
                  f"{args.max_bytes} bytes"
-        started = time.perf_counter()
-        twin = train(config, make, name=f"twin ({name})", progress=False)
-        best = min(twin.evaluations, key=lambda e: e["val_loss"])
-        corpus = {"source": source, "runs": {},
-                  "twin": {"final_val_loss": twin.final_val_loss, "flops": twin.flops,
-                           "best_val_loss": best["val_loss"], "best_step": best["step"],
-                           "seconds": time.perf_counter() - started,
-                           "evaluations": twin.evaluations}}
+        if name in done:
+            corpus = {**done[name], "source": source}
+        else:
+            started = time.perf_counter()
+            run = train(config, make, name=f"twin ({name})", progress=False)
+            best = min(run.evaluations, key=lambda e: e["val_loss"])
+            corpus = {"source": source, "runs": {},
+                      "twin": {"final_val_loss": run.final_val_loss, "flops": run.flops,
+                               "best_val_loss": best["val_loss"], "best_step": best["step"],
+                               "seconds": time.perf_counter() - started,
+                               "evaluations": run.evaluations}}
+        twin = corpus["twin"]
         corpus["settings"] = [
             {"window": w, "patience": p, "min_improvement": m,
-             "decay_step": replay(twin.evaluations, twin.flops, w, p, m)}
+             "decay_step": replay(twin["evaluations"], twin["flops"], w, p, m)}
             for w, p, m in grid]
         record["corpora"][name] = corpus
         write(args.out, record)
-        for step in sorted({s["decay_step"] for s in corpus["settings"]} - {None}):
+        steps = {s["decay_step"] for s in corpus["settings"] if s["window"] in args.run_windows}
+        for step in sorted(steps - {None} - {int(k) for k in corpus["runs"]}):
             s = next(s for s in corpus["settings"] if s["decay_step"] == step)
-            governed = dataclasses.replace(config, flop_budget=twin.flops, governor={
+            governed = dataclasses.replace(config, flop_budget=twin["flops"], governor={
                 "decay_fraction": DECAY_FRACTION, "window": s["window"],
                 "patience": s["patience"], "min_improvement": s["min_improvement"]})
             run = train(governed, make, name=f"governed ({name}, decay at {step})",
@@ -141,8 +155,8 @@ def main() -> None:
             corpus["runs"][str(step)] = {"final_val_loss": run.final_val_loss,
                                          "flops": run.flops, "stop": run.stop_reason}
             write(args.out, record)
-            print(f"{name}: decay at {step}: {run.flops / twin.flops:.1%} of the FLOPs, "
-                  f"loss {run.final_val_loss / twin.final_val_loss - 1:+.2%}", flush=True)
+            print(f"{name}: decay at {step}: {run.flops / twin['flops']:.1%} of the FLOPs, "
+                  f"loss {run.final_val_loss / twin['final_val_loss'] - 1:+.2%}", flush=True)
 
 
 if __name__ == "__main__":
