@@ -228,8 +228,6 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, *unused):
-    if grad_loss is None:
-        return (None,) * 10
     if ctx.saved_tensors == ():
         if ctx.grads is None:
             raise RuntimeError(f"{OP}: its gradients were computed in the forward pass and "
