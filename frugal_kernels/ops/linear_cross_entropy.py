@@ -212,6 +212,9 @@ def _setup_context(ctx, inputs, output):
      backend) = inputs
     _, scores, lse, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(scores, lse, grad_hidden, grad_weight, grad_bias)
+    # Else autograd hands backward a tensor of zeros for each output without a gradient:
+    # one of them the size of the weight, at the peak beside the weight's gradient.
+    ctx.set_materialize_grads(False)
     ctx.has_bias = bias is not None
     ctx.options = (ignore_index, label_smoothing, reduction, backend)
     ctx.grads = None
@@ -278,11 +281,19 @@ class _Torch:
         return max(MIN_ROWS, CHUNK_BYTES // (4 * vocab))
 
     @staticmethod
-    def _chunk(hidden, targets, kept_all, w32, b32, rows: slice):
+    def _buffer(n: int, vocab: int, device) -> Tensor:
+        # One buffer for all the chunks: a fresh [rows, V] per chunk, freed among the
+        # chunk's small tensors, left holes in the heap that the next one did not fit, and
+        # the process's resident peak grew to two or three chunks.
+        rows = min(n, _Torch._rows(vocab))
+        return torch.empty((rows, vocab), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _chunk(hidden, targets, kept_all, w32, b32, rows: slice, buf: Tensor):
         h = hidden[rows]
         kept = kept_all[rows]
         t = torch.where(kept, targets[rows], 0).long()
-        z = h.float() @ w32.t()
+        z = torch.mm(h.float(), w32.t(), out=buf[:h.shape[0]])
         if b32 is not None:
             z += b32
         return h, kept, t, z
@@ -321,17 +332,19 @@ class _Torch:
         scale = row_scales(targets, ignore_index, reduction)
         grads = cls._grads_init(hidden, weight, bias) if compute_grads else None
         rows = cls._rows(weight.shape[0])
+        buf = cls._buffer(n, weight.shape[0], hidden.device)
         for r0 in range(0, n, rows):
-            # One chunk per call: its buffer is freed before the next one is allocated.
-            cls._forward_chunk(slice(r0, min(n, r0 + rows)), hidden, targets, kept, w32, b32,
-                               label_smoothing, scale, grads, with_el2n, loss_tok, lse, el2n)
+            # One chunk per call: its temporaries are freed before the next one's.
+            cls._forward_chunk(slice(r0, min(n, r0 + rows)), buf, hidden, targets, kept, w32,
+                               b32, label_smoothing, scale, grads, with_el2n, loss_tok, lse,
+                               el2n)
         out = None if grads is None else cls._grads_out(grads, hidden, weight, bias)
         return loss_tok, lse, el2n, out
 
     @classmethod
-    def _forward_chunk(cls, rows, hidden, targets, kept, w32, b32, label_smoothing, scale,
-                       grads, with_el2n, loss_tok, lse, el2n):
-        h, kept, t, z = cls._chunk(hidden, targets, kept, w32, b32, rows)
+    def _forward_chunk(cls, rows, buf, hidden, targets, kept, w32, b32, label_smoothing,
+                       scale, grads, with_el2n, loss_tok, lse, el2n):
+        h, kept, t, z = cls._chunk(hidden, targets, kept, w32, b32, rows, buf)
         picked = z.gather(1, t[:, None]).squeeze(1)
         mean_z = z.mean(1) if label_smoothing else None
         # In place (torch.logsumexp would allocate two more chunks): the chunk's one
@@ -365,15 +378,16 @@ class _Torch:
         grads = cls._grads_init(hidden, weight, bias)
         n = hidden.shape[0]
         rows = cls._rows(weight.shape[0])
+        buf = cls._buffer(n, weight.shape[0], hidden.device)
         for r0 in range(0, n, rows):
-            cls._backward_chunk(slice(r0, min(n, r0 + rows)), hidden, targets, kept, w32, b32,
-                                lse, scale, label_smoothing, grads)
+            cls._backward_chunk(slice(r0, min(n, r0 + rows)), buf, hidden, targets, kept, w32,
+                                b32, lse, scale, label_smoothing, grads)
         return cls._grads_out(grads, hidden, weight, bias)
 
     @classmethod
-    def _backward_chunk(cls, rows, hidden, targets, kept, w32, b32, lse, scale,
+    def _backward_chunk(cls, rows, buf, hidden, targets, kept, w32, b32, lse, scale,
                         label_smoothing, grads):
-        h, _, t, z = cls._chunk(hidden, targets, kept, w32, b32, rows)
+        h, _, t, z = cls._chunk(hidden, targets, kept, w32, b32, rows, buf)
         d = _minus_target(z.sub_(lse[rows, None]).exp_(), 1.0, t, scale[rows], label_smoothing)
         cls._accumulate(d, h, w32, rows, grads)
 

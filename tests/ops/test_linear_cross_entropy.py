@@ -289,3 +289,22 @@ def test_a_second_backward_is_refused():
     with pytest.raises(RuntimeError, match="a second backward through it"):
         loss.backward()
     assert torch.equal(weight.grad, first)
+
+
+@pytest.mark.parametrize("n,d,v,chunk_bytes", [(64, 1024, 8192, None), (1024, 64, 8192, 8 << 20)],
+                         ids=["weight-sized", "four chunks"])
+def test_peak_beyond_inputs_and_gradients_is_one_chunk(n, d, v, chunk_bytes, monkeypatch):
+    """The process's resident peak over a forward and backward (the benchmark's probe),
+    beyond the inputs and the returned gradients, is the one chunk of logits: a weight of
+    32 MiB makes a weight-sized temporary (autograd's zeros for the gradient outputs, 32
+    MiB) stand out; four chunks below glibc's mmap threshold, a fresh buffer per chunk (the
+    heap grew to two chunks when it did not fit the freed one's hole)."""
+    from frugal_kernels.bench.loss import measure_memory
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(lce_module, "CHUNK_BYTES", chunk_bytes)
+    chunk = min(n, lce_module._Torch._rows(v)) * v * 4
+    result = measure_memory("fused", n, d, v)
+    assert result["peak_kind"] == "rss_peak"
+    assert result["grad_bytes"] == (n + v) * d * 4
+    assert result["beyond_bytes"] <= chunk + (1 << 20), result
