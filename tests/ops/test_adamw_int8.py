@@ -109,3 +109,25 @@ def test_zero_gradients_keep_zero_moments_and_non_finite_values_agree(backend):
         assert torch.equal(a.nan_to_num(1.5), e.nan_to_num(1.5))
     scales = runs[0][2]
     assert scales[0, 0].isnan() and scales[2, 1].isinf() and scales[1].isfinite().all()
+
+
+@pytest.mark.parametrize("backend", cpu_backends("frugal::adamw_int8_"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_at_the_ends_of_the_float_range_agree_with_the_reference(backend, dtype):
+    # The CPU kernel writes a block's codes without moment_code's clamp and NaN test only
+    # where its scales are in [2^-126, 2^126]; rows of gradients whose moments put the
+    # scales below, around and above that range (subnormal and overflowing moments) must
+    # give the reference's codes, scales and params all the same.
+    gen = torch.Generator().manual_seed(5)
+    row_scales = torch.tensor([1e-38, 1e-36, 1e-19, 3e-18, 1.0, 1e18, 1e19, 1e36])
+    g = (torch.randn(8, 300, generator=gen) * row_scales[:, None]).to(dtype)
+    p0 = torch.randn(8, 300, generator=gen).to(dtype)
+    runs = []
+    for b in ("torch", backend):
+        q, p = zero_moments(p0), p0.clone()
+        for step in (1, 2, 3):
+            ops.adamw_int8_([p], [g], *([t] for t in q), step=step, backend=b, **HYPER)
+        runs.append([p, *q])
+    for a, e in zip(*runs):
+        assert torch.equal(a.nan_to_num(1.5), e.nan_to_num(1.5))
+
