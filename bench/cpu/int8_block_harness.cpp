@@ -54,7 +54,8 @@ double case_ns(int which) {
   std::vector<int8_t> mc(n, 0);
   std::vector<uint8_t> vc(n, 0);
   std::vector<float> ms(n / block + 1, 0.f), vs(n / block + 1, 0.f);
-  const AdamWScalars s = adamw_scalars(AdamWHyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 10, false, 1.0, 0.0});
+  const AdamWScalars s =
+      adamw_scalars(AdamWHyper{1e-3, 0.9, 0.999, 1e-8, 0.01, 10, false, 1.0, 0.0});
   int turn = 0;
   auto blocks = [&](auto* pp, const auto* g) {
     for (int64_t a = 0, b = 0; a < n; a += block, ++b) {

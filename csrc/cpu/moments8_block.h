@@ -47,11 +47,12 @@ inline __m256i codes32(const float* x, __m256 inverse) {
 // adamw_int8_block for fp32 params with AVX2, 8 coordinates at a time: the same
 // operations in the same order as the scalar code (dequantize, adamw_update), so the
 // same bits. GCC's version of the scalar block ran at 0.40x the speed of adamw_'s
-// loop in cache (one thread of a Zen 3; 0.58x after): it unpacked the codes lane by lane, kept the
-// maxima in a loop of their own, and took the fourth root of every coordinate before
-// the codes needed it. Here the maxima are taken in the update's loop, and the
-// fourth root's maximum is the root of the square roots' maximum (a root is monotone,
-// so the two are the same float; a NaN's bits stay the largest and sqrt keeps them).
+// loop in cache (one thread of a Zen 3; this one at 0.56-0.58x): it unpacked the codes
+// lane by lane, kept the maxima in a loop of their own, and took the fourth root of
+// every coordinate before the codes needed it. Here the maxima are taken in the
+// update's loop, and the fourth root's maximum is the root of the square roots'
+// maximum (a root is monotone, so the two are the same float; a NaN's bits stay the
+// largest and sqrt keeps them).
 inline void adamw_int8_block_avx2(float* __restrict__ p, const float* __restrict__ g,
                                   int8_t* __restrict__ m_codes, float* m_scale,
                                   uint8_t* __restrict__ v_codes, float* v_scale, int64_t n,
@@ -63,7 +64,8 @@ inline void adamw_int8_block_avx2(float* __restrict__ p, const float* __restrict
   const __m256 m_scale8 = _mm256_set1_ps(ms), v_scale8 = _mm256_set1_ps(vs);
   const __m256 inv_grad_scale = _mm256_set1_ps(s.inv_grad_scale);
   const __m256 negate = _mm256_set1_ps(s.maximize ? -0.f : 0.f);
-  const __m256 decay = _mm256_set1_ps(s.decay), one_minus_beta1 = _mm256_set1_ps(s.one_minus_beta1);
+  const __m256 decay = _mm256_set1_ps(s.decay);
+  const __m256 one_minus_beta1 = _mm256_set1_ps(s.one_minus_beta1);
   const __m256 beta2 = _mm256_set1_ps(s.beta2), one_minus_beta2 = _mm256_set1_ps(s.one_minus_beta2);
   const __m256 bc2_sqrt = _mm256_set1_ps(s.bc2_sqrt), eps = _mm256_set1_ps(s.eps);
   const __m256 step_size = _mm256_set1_ps(s.step_size);
@@ -80,7 +82,8 @@ inline void adamw_int8_block_avx2(float* __restrict__ p, const float* __restrict
     const __m256 gi = _mm256_xor_ps(_mm256_mul_ps(_mm256_loadu_ps(g + i), inv_grad_scale), negate);
     const __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
     mi = _mm256_add_ps(mi, _mm256_mul_ps(one_minus_beta1, _mm256_sub_ps(gi, mi)));
-    vi = _mm256_add_ps(_mm256_mul_ps(vi, beta2), _mm256_mul_ps(one_minus_beta2, _mm256_mul_ps(gi, gi)));
+    vi = _mm256_add_ps(_mm256_mul_ps(vi, beta2),
+                       _mm256_mul_ps(one_minus_beta2, _mm256_mul_ps(gi, gi)));
     const __m256 root_v = _mm256_sqrt_ps(vi);
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(root_v, bc2_sqrt), eps);
     _mm256_storeu_ps(p + i, _mm256_sub_ps(pi, _mm256_mul_ps(step_size, _mm256_div_ps(mi, denom))));
@@ -197,7 +200,8 @@ inline void adamw_int8_block(T* __restrict__ p, const T* __restrict__ g, int8_t*
     const __m256 mi = _mm256_set1_ps(m_inv), vi = _mm256_set1_ps(v_inv);
     for (; i + 32 <= n; i += 32) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_codes + i), codes32<true, false>(m + i, mi));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_codes + i), codes32<false, false>(w + i, vi));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_codes + i),
+                          codes32<false, false>(w + i, vi));
     }
   }
 #else
