@@ -109,3 +109,32 @@ def test_zero_gradients_keep_zero_moments_and_non_finite_values_agree(backend):
         assert torch.equal(a.nan_to_num(1.5), e.nan_to_num(1.5))
     scales = runs[0][2]
     assert scales[0, 0].isnan() and scales[2, 1].isinf() and scales[1].isfinite().all()
+
+
+@pytest.mark.parametrize("backend", cpu_backends("frugal::adamw_int8_"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_moment_scales_decaying_into_subnormals_agree_with_the_reference(backend, dtype):
+    # The CPU kernel writes a block's codes without moment_code's clamp and NaN test only
+    # where both its scales are in [2^-126, 2^126]. With zero gradients after the first
+    # step, m decays by beta1 a step and v by beta2: by step 120 the first moment's scale
+    # is subnormal (its inverse inexact or inf) while the second's is still normal, and
+    # every step's codes, scales and params must be the reference's.
+    hyper = {**HYPER, "beta1": 0.5}
+    gen = torch.Generator().manual_seed(5)
+    p0 = torch.randn(3, 300, generator=gen).to(dtype)
+    g = torch.randn(3, 300, generator=gen).to(dtype)
+    runs = []
+    for b in ("torch", backend):
+        q, p = zero_moments(p0), p0.clone()
+        ops.adamw_int8_([p], [g], *([t] for t in q), step=1, backend=b, **hyper)
+        states = []
+        for step in range(2, 126):
+            ops.adamw_int8_([p], [torch.zeros_like(g)], *([t] for t in q), step=step, backend=b,
+                            **hyper)
+            if step >= 100:
+                states.append([p.clone(), *(t.clone() for t in q)])
+        runs.append(states)
+    assert 0 < runs[0][-1][2].max() < 2.0 ** -126 < runs[0][-1][4].min()
+    for ours, theirs in zip(runs[1], runs[0]):
+        for a, e in zip(ours, theirs):
+            assert torch.equal(a, e)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Side by side, in one process: adamw_int8_'s CPU block of a git revision (default
+# HEAD) against the working tree's, at one ISA level (default avx2), beside adamw_'s
+# fp32 loop. Prints ns per coordinate and new/old per case.
+#   bash bench/cpu/compare_int8_blocks.sh [REV] [avx2|avx512|baseline]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+REV=${1:-HEAD}
+LEVEL=${2:-avx2}
+case $LEVEL in
+  avx2) ISA_FLAGS="-mavx2 -mfma -mf16c" ;;
+  avx512) ISA_FLAGS="-mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx2 -mfma -mf16c -mprefer-vector-width=512" ;;
+  baseline) ISA_FLAGS="" ;;
+  *) echo "unknown level $LEVEL" >&2; exit 2 ;;
+esac
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+git archive "$REV" csrc | tar -x -C "$WORK"
+# The flags of CMakeLists.txt's CPU levels.
+FLAGS="-std=c++17 -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off $ISA_FLAGS"
+g++ $FLAGS -DFK_CPU_ISA=old_tree -I"$WORK/csrc" -I"$WORK/csrc/include" \
+    -c bench/cpu/int8_block_harness.cpp -o "$WORK/old.o"
+g++ $FLAGS -DFK_CPU_ISA=new_tree -Icsrc -Icsrc/include \
+    -c bench/cpu/int8_block_harness.cpp -o "$WORK/new.o"
+cat > "$WORK/main.cpp" <<'CPP'
+#include <algorithm>
+#include <cstdio>
+extern "C" double int8_ns_old_tree(int);
+extern "C" double int8_ns_new_tree(int);
+int main() {
+  const char* cases[] = {"adamw_ fp32 loop", "int8 block fp32", "int8 block bf16",
+                         "int8 blocks of 200"};
+  std::printf("| case | size | old ns | new ns | new/old |\n|---|---|---|---|---|\n");
+  for (int c = 0; c < 8; ++c) {
+    double o = 1e30, n = 1e30;
+    for (int r = 0; r < 3; ++r) {
+      o = std::min(o, int8_ns_old_tree(c));
+      n = std::min(n, int8_ns_new_tree(c));
+    }
+    std::printf("| %s | %s | %.3f | %.3f | %.2f |\n", cases[c % 4], c < 4 ? "32K" : "4M", o, n,
+                n / o);
+  }
+}
+CPP
+g++ -O2 "$WORK/main.cpp" "$WORK/old.o" "$WORK/new.o" -o "$WORK/compare"
+echo "old: $REV, new: working tree, level $LEVEL, one thread, ns per coordinate"
+"$WORK/compare"
