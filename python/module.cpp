@@ -360,6 +360,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_limits", [] {
     py::dict d;
     d["adamw"] = as_dict(cuda::adamw_limits());
+    d["adamw_int8"] = as_dict(cuda::adamw_int8_limits());
     d["sign_sgd"] = as_dict(cuda::sign_sgd_limits());
     d["frugal_step"] = as_dict(cuda::frugal_step_limits());
     d["dqt_update"] = as_dict(cuda::dqt_update_limits());
@@ -545,6 +546,13 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           return cuda_emulated::adamw(t, b.dtype, h, d);
         });
+  m.def("adamw_int8_cuda_emulated", [](const Batch& b, const Moments8& q, const AdamWHyper& h,
+                                        const cuda::DeviceScalars& d) {
+    const TensorBatch t = b.view();
+    const Moments8Batch mq = q.view(b);
+    py::gil_scoped_release nogil;
+    return cuda_emulated::adamw_int8(t, mq, b.dtype, h, d);
+  });
   m.def("sign_sgd_cuda_emulated",
         [](const Batch& b, const SignSgdHyper& h, const cuda::DeviceScalars& d) {
           const TensorBatch t = b.view();
@@ -590,6 +598,13 @@ PYBIND11_MODULE(_C, m) {
     const TensorBatch t = b.view_with_moments();
     py::gil_scoped_release nogil;
     cuda::adamw(t, b.dtype, h, d, stream);
+  });
+  m.def("adamw_int8_cuda", [](const Batch& b, const Moments8& q, const AdamWHyper& h,
+                              const cuda::DeviceScalars& d, uintptr_t stream) {
+    const TensorBatch t = b.view();
+    const Moments8Batch mq = q.view(b);
+    py::gil_scoped_release nogil;
+    cuda::adamw_int8(t, mq, b.dtype, h, d, stream);
   });
   m.def("sign_sgd_cuda", [](const Batch& b, const SignSgdHyper& h, const cuda::DeviceScalars& d,
                             uintptr_t stream) {

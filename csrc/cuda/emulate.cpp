@@ -9,8 +9,10 @@
 #include "kernels.h"
 
 #include <limits>
+#include <vector>
 
 #include "adamw.cuh"
+#include "adamw_int8.cuh"
 #include "dqt_update.cuh"
 #include "frugal_step.cuh"
 #include "grad_norm.cuh"
@@ -43,6 +45,42 @@ int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
         each_thread(cuda::kAdamWThreads, [&](int tid) {
           cuda::adamw_thread<T>(meta, args, b, tid, cuda::kAdamWThreads);
         });
+      }
+    });
+  });
+  return launches;
+}
+
+int64_t adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const AdamWHyper& h,
+                   const cuda::DeviceScalars& d) {
+  if (h.found_inf != 0.0) return 0;
+  const cuda::AdamWArgs args = cuda::adamw_args(h, d);
+  const std::vector<int64_t> units = cuda::moment_blocks(q, t.count);
+  int64_t launches = 0;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    launches = cuda::plan_adamw_int8(t, q, units.data(),
+                                     [&](const cuda::AdamWInt8Meta& meta, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        // The warps of a block share nothing and never wait for one another, so
+        // each runs its whole program alone, last warp first; its barriers are
+        // the warp's own (__syncwarp on the GPU).
+        for (int warp = cuda::kAdamWInt8Warps - 1; warp >= 0; --warp) {
+          const cuda::AdamWInt8Warp<T> body(meta, args, b, warp);
+          // Undefined on the GPU: a maximum a lane did not write, or a register
+          // read before it is set, poisons the block with a NaN the tests see.
+          cuda::Int8WarpShared sh;
+          for (uint32_t& x : sh.m_bits) x = 0x7fc00000u;
+          for (uint32_t& x : sh.w_bits) x = 0x7fc00000u;
+          cuda::Int8Lane regs[cuda::kWarp];
+          for (cuda::Int8Lane& r : regs) {
+            for (float& x : r.m) x = std::numeric_limits<float>::quiet_NaN();
+            for (float& x : r.w) x = std::numeric_limits<float>::quiet_NaN();
+          }
+          body.run_phases(sh, [&](auto&& phase) {
+            each_thread(cuda::kWarp, [&](int lane) { phase(lane, regs[lane]); });
+          });
+        }
       }
     });
   });

@@ -12,6 +12,7 @@
 #include "frugal/batch.h"
 #include "frugal/common.h"
 #include "frugal/frugal_tile.h"
+#include "frugal/moments8.h"
 #include "frugal/quant.h"
 #include "frugal/update_rules.h"
 
@@ -31,6 +32,9 @@ struct DeviceScalars {
 // The functions below throw std::runtime_error on a CUDA error.
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const DeviceScalars& d,
            uintptr_t stream);
+// The 8-bit moments in `q` (the batch's own moment pointers are unread), as cpu::adamw_int8.
+void adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const AdamWHyper& h,
+                const DeviceScalars& d, uintptr_t stream);
 void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, const DeviceScalars& d,
               uintptr_t stream);
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
@@ -55,12 +59,14 @@ const char* archs();
 // or not: the emulator runs with them, and tests size their cases around them.
 struct LaunchLimits {
   int threads;      // per block
-  int64_t chunk;    // elements (frugal_step_: positions; dqt_update_: padded positions) a block owns
+  int64_t chunk;    // elements (frugal_step_: positions; dqt_update_: padded positions;
+                    // adamw_int8_: moment blocks) a block owns
   int64_t tile;     // positions a frugal_step_ / dqt_update_ tile holds; 0 for kernels without tiles
   int max_tensors;  // tensors one launch carries
   int max_blocks;   // blocks one launch carries
 };
 LaunchLimits adamw_limits();
+LaunchLimits adamw_int8_limits();
 LaunchLimits sign_sgd_limits();
 LaunchLimits frugal_step_limits();
 LaunchLimits dqt_update_limits();
@@ -74,6 +80,8 @@ LaunchLimits grad_norm_limits();
 namespace cuda_emulated {
 
 int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const cuda::DeviceScalars& d);
+int64_t adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const AdamWHyper& h,
+                   const cuda::DeviceScalars& d);
 int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,
                  const cuda::DeviceScalars& d);
 int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,

@@ -3,6 +3,7 @@
 #include "kernels.h"
 
 #include "adamw.cuh"
+#include "adamw_int8.cuh"
 #include "dqt_update.cuh"
 #include "frugal_step.cuh"
 #include "grad_norm.cuh"
@@ -13,6 +14,11 @@ namespace cuda {
 
 LaunchLimits adamw_limits() {
   return LaunchLimits{kAdamWThreads, kAdamWChunk, 0, AdamWMeta::kMaxTensors, AdamWMeta::kMaxBlocks};
+}
+
+LaunchLimits adamw_int8_limits() {
+  return LaunchLimits{kAdamWInt8Threads, kAdamWInt8Chunk, 0, AdamWInt8Meta::kMaxTensors,
+                      AdamWInt8Meta::kMaxBlocks};
 }
 
 LaunchLimits sign_sgd_limits() {

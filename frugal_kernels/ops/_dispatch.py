@@ -30,8 +30,7 @@ _AUTO_ORDER = {"cpu": ("cpu", "torch"), "cuda": ("cuda", "triton", "torch")}
 # Which backends implement each op (the others fall through in "auto").
 CAPABILITIES = {
     "frugal::adamw_": frozenset(BACKENDS),
-    # 8-bit moments: no CUDA-C kernel yet: on GPU tensors "auto" picks triton.
-    "frugal::adamw_int8_": frozenset(("cpu", "triton", "torch")),
+    "frugal::adamw_int8_": frozenset(BACKENDS),
     "frugal::sign_sgd_": frozenset(BACKENDS),
     # No CUDA-C kernel yet: on GPU tensors "auto" picks triton.
     "frugal::sgd_": frozenset(("cpu", "triton", "torch")),

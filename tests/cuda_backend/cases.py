@@ -5,9 +5,10 @@ launch constants, which _C reports from the headers (csrc/cuda/*.cuh)."""
 import pytest
 import torch
 
-from frugal_kernels import _quant
+from frugal_kernels import _quant, reference
 from frugal_kernels._extension import extension
-from frugal_kernels._layout import STATE_FREE_RULES, subset_dim, subset_state_shape
+from frugal_kernels._layout import (MOMENT_BLOCK, STATE_FREE_RULES, MomentBlocks, subset_dim,
+                                    subset_state_shape)
 
 from ..required import skip_unless_required
 
@@ -23,6 +24,8 @@ TILE = LIMITS["frugal_step"]["tile"]
 # dqt_update_'s tiles and chunks count padded positions (rows padded to groups of 8).
 DQT_TILE = LIMITS["dqt_update"]["tile"]
 DQT_CHUNK = LIMITS["dqt_update"]["chunk"]
+# adamw_int8_'s chunks count moment blocks (MOMENT_BLOCK elements of a row, or the row).
+INT8_CHUNK = LIMITS["adamw_int8"]["chunk"]
 # grad_norm's chunks: one partial result each.
 GN_CHUNK = LIMITS["grad_norm"]["chunk"]
 GN_SIZES = [1, 7, 2047, 2048, 2049, GN_CHUNK - 1, GN_CHUNK, GN_CHUNK + 1, 2 * GN_CHUNK + 5]
@@ -47,6 +50,21 @@ FRUGAL_SHAPES = {
     "flat": [((1,), 1.0), ((7,), 0.5), ((TILE - 1,), 0.3), ((TILE,), 0.3), ((TILE + 1,), 0.3),
              ((CHUNK + 1,), 0.25), ((40000,), 0.1), ((3000,), 0.0), ((2500,), 1.0)],
 }
+
+
+# adamw_int8_: rows around the moment block (one warp's round) and a thread block's
+# chunk of moment blocks: rows of one element and of 7 (many blocks a chunk), of a block
+# and one, of 300 (a partial last block; rows after the first off the 16-byte path),
+# a row of INT8_CHUNK blocks and one element (a second thread block of one short moment
+# block), rows exactly a chunk's worth, 0-dim, 3-D.
+INT8_SHAPES = [(1,), (7,), (MOMENT_BLOCK - 1,), (MOMENT_BLOCK,), (MOMENT_BLOCK + 1,),
+               (INT8_CHUNK * MOMENT_BLOCK + 1,), (40, 7), (9, MOMENT_BLOCK + 1), (3, 300),
+               (INT8_CHUNK, MOMENT_BLOCK), (2, 3, 700), (), (1, 1), (5, 2 * MOMENT_BLOCK)]
+
+
+def moment_blocks(shapes):
+    """The units adamw_int8_'s planner cuts into chunks: each tensor's moment blocks."""
+    return [MomentBlocks(s).rows * MomentBlocks(s).per_row for s in shapes]
 
 
 # dqt_update_: weights [R, C] per subset kind with their state-full fractions:
@@ -128,6 +146,26 @@ def adamw_data(numels, dtype, seed):
         m.append(0.1 * torch.randn(n, generator=gen))
         v.append(0.01 * torch.rand(n, generator=gen))
     return p, g, m, v
+
+
+def adamw_int8_data(shapes, dtype, seed):
+    """params, grads and the 8-bit moments (exp_avgs, exp_avg_scales, exp_avg_sqs,
+    exp_avg_sq_scales: the reference's codes of random fp32 moments, second moments over
+    four decades): lists of host tensors. The first row of every tensor of two rows or
+    more has zero moments and gradients, so that it quantizes to blocks of scale 0."""
+    gen = torch.Generator().manual_seed(seed)
+    p, g, moments = [], [], ([], [], [], [])
+    for shape in shapes:
+        p.append(torch.randn(shape, generator=gen).to(dtype))
+        g.append(grads_like(shape, dtype, gen))
+        m = 0.1 * torch.randn(shape, generator=gen)
+        v = 0.01 * torch.rand(shape, generator=gen) ** 4
+        if len(shape) >= 2 and shape[0] >= 2:
+            m[0], v[0], g[-1][0] = 0.0, 0.0, 0.0
+        for lst, t in zip(moments, (*reference.quantize_moment(m, False),
+                                    *reference.quantize_moment(v, True))):
+            lst.append(t)
+    return (p, g, *moments)
 
 
 def sign_sgd_data(numels, dtype, seed):
