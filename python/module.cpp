@@ -363,6 +363,7 @@ PYBIND11_MODULE(_C, m) {
     d["adamw_int8"] = as_dict(cuda::adamw_int8_limits());
     d["sign_sgd"] = as_dict(cuda::sign_sgd_limits());
     d["frugal_step"] = as_dict(cuda::frugal_step_limits());
+    d["frugal_step_int8"] = as_dict(cuda::frugal_step_int8_limits());
     d["dqt_update"] = as_dict(cuda::dqt_update_limits());
     d["grad_norm"] = as_dict(cuda::grad_norm_limits());
     return d;
@@ -566,6 +567,15 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           return cuda_emulated::frugal_step(t, sub, b.dtype, h, d);
         });
+  m.def("frugal_step_int8_cuda_emulated", [](const Batch& b, const Subsets& s, const Moments8& q,
+                                              const FrugalHyper& h,
+                                              const cuda::DeviceScalars& d) {
+    const TensorBatch t = b.view();
+    const SubsetBatch sub = s.view(b);
+    const Moments8Batch mq = q.view(b, s);
+    py::gil_scoped_release nogil;
+    return cuda_emulated::frugal_step_int8(t, sub, mq, b.dtype, h, d);
+  });
   m.def("dqt_update_cuda_emulated", [](const Batch& b, const Subsets& s, const Quant& q,
                                         const DqtHyper& h, const cuda::DeviceScalars& d) {
     const TensorBatch t = b.view_with_moments();
@@ -618,6 +628,15 @@ PYBIND11_MODULE(_C, m) {
     const SubsetBatch sub = s.view(b);
     py::gil_scoped_release nogil;
     cuda::frugal_step(t, sub, b.dtype, h, d, stream);
+  });
+  m.def("frugal_step_int8_cuda", [](const Batch& b, const Subsets& s, const Moments8& q,
+                                     const FrugalHyper& h, const cuda::DeviceScalars& d,
+                                     uintptr_t stream) {
+    const TensorBatch t = b.view();
+    const SubsetBatch sub = s.view(b);
+    const Moments8Batch mq = q.view(b, s);
+    py::gil_scoped_release nogil;
+    cuda::frugal_step_int8(t, sub, mq, b.dtype, h, d, stream);
   });
   m.def("dqt_update_cuda", [](const Batch& b, const Subsets& s, const Quant& q, const DqtHyper& h,
                               const cuda::DeviceScalars& d, uintptr_t stream) {

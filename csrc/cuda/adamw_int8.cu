@@ -8,9 +8,9 @@ namespace cuda {
 namespace {
 
 template <typename T>
-__global__ void __launch_bounds__(kAdamWInt8Threads) adamw_int8_kernel(const AdamWInt8Meta meta,
+__global__ void __launch_bounds__(kMoments8Threads) adamw_int8_kernel(const AdamWInt8Meta meta,
                                                                        const AdamWArgs args) {
-  __shared__ AdamWInt8Shared sh;
+  __shared__ Moments8Shared sh;
   const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp;
   const AdamWInt8Warp<T> body(meta, args, int(blockIdx.x), warp);
   Int8Lane regs;
@@ -30,7 +30,7 @@ void adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     plan_adamw_int8(t, q, blocks.data(), [&](const AdamWInt8Meta& meta, int num_blocks) {
-      adamw_int8_kernel<T><<<num_blocks, kAdamWInt8Threads, 0, as_stream(stream)>>>(meta, args);
+      adamw_int8_kernel<T><<<num_blocks, kMoments8Threads, 0, as_stream(stream)>>>(meta, args);
       check_launch("adamw_int8_");
     });
   });

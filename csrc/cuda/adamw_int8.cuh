@@ -1,6 +1,6 @@
-// adamw_int8_ on the GPU: the launch parameter, the warp body in phases
+// adamw_int8_ on the GPU: the launch parameter, the warp program in phases
 // separated by barriers, and the host planning, shared by adamw_int8.cu and the
-// emulator.
+// emulator. The warp program (moments8_warp) serves frugal_step_int8.cuh too.
 //
 // One warp per moment block (frugal/moments8.h): a block is kMomentBlock = 256
 // elements, which is 32 lanes x kIlp, so a warp holds a whole block in registers
@@ -16,7 +16,7 @@
 // a tree over the lanes (shared memory) gives the block's maxima; every lane
 // quantizes its elements with the block's scales. The planner's units are moment
 // blocks: a thread block owns kAdamWInt8Chunk of them, its warps taking every
-// kAdamWInt8Warps-th.
+// kMoments8Warps-th.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +34,10 @@ namespace frugal {
 namespace cuda {
 
 constexpr int kWarp = 32;
-constexpr int kAdamWInt8Threads = 256;
-constexpr int kAdamWInt8Warps = kAdamWInt8Threads / kWarp;
+// The thread blocks of both kernels on 8-bit moments (adamw_int8_, frugal_step_int8_'s
+// member blocks): 8 warps.
+constexpr int kMoments8Threads = 256;
+constexpr int kMoments8Warps = kMoments8Threads / kWarp;
 // Moment blocks a thread block owns: 8 per warp, 16384 elements (adamw_'s chunk)
 // when the rows are at least a block long.
 constexpr int64_t kAdamWInt8Chunk = 64;
@@ -65,8 +67,8 @@ struct Int8WarpShared {
 };
 
 // A thread block's shared memory (2 KB).
-struct AdamWInt8Shared {
-  Int8WarpShared warp[kAdamWInt8Warps];
+struct Moments8Shared {
+  Int8WarpShared warp[kMoments8Warps];
 };
 
 // What a lane keeps in registers from the update to the quantization of a block.
@@ -125,26 +127,10 @@ FK_HOST_DEVICE void store_codes(C* base, const Fragment& f, const C (&in)[kIlp])
   }
 }
 
-// The tensor of a launch's table slot: its pointers and row length, copied out
-// of the kernel parameter once per warp.
-struct Moments8Tensor {
-  void* p;
-  const void* g;
-  int8_t* m;
-  float* m_scales;
-  uint8_t* v;
-  float* v_scales;
-  int64_t cols;
-};
-
-FK_HOST_DEVICE Moments8Tensor moments8_tensor(const AdamWInt8Meta& meta, int slot) {
-  return Moments8Tensor{meta.params[slot],         meta.grads[slot],
-                        meta.exp_avgs[slot],         meta.exp_avg_scales[slot],
-                        meta.exp_avg_sqs[slot],      meta.exp_avg_sq_scales[slot],
-                        meta.cols[slot]};
-}
-
-// Moment block b of a tensor: its n elements and its two scales.
+// A moment block of n elements whose params lie in one contiguous run (every
+// block of adamw_int8_, a member row's of frugal_step_int8_): its codes and
+// scales, and the params and gradients as fragments, 16 bytes at a time where
+// the addresses allow.
 template <typename T>
 struct MomentBlock8 {
   T* p;
@@ -156,27 +142,127 @@ struct MomentBlock8 {
   int64_t n;
   bool aligned;
 
-  FK_HOST_DEVICE MomentBlock8(const Moments8Tensor& t, int64_t b) {
-    const int64_t per_row = (t.cols + kMomentBlock - 1) / kMomentBlock;
-    const int64_t row = b / per_row;
-    const int64_t c0 = (b - row * per_row) * kMomentBlock;
-    const int64_t a = row * t.cols + c0;
-    n = t.cols - c0 < kMomentBlock ? t.cols - c0 : kMomentBlock;
-    p = static_cast<T*>(t.p) + a;
-    g = static_cast<const T*>(t.g) + a;
-    m = t.m + a;
-    v = t.v + a;
-    m_scale = t.m_scales + b;
-    v_scale = t.v_scales + b;
+  FK_HOST_DEVICE MomentBlock8(T* p_, const T* g_, int8_t* m_, uint8_t* v_, float* m_scale_,
+                              float* v_scale_, int64_t n_)
+      : p(p_), g(g_), m(m_), v(v_), m_scale(m_scale_), v_scale(v_scale_), n(n_) {
     // A row length that is not a multiple of 16 bytes moves later rows off the
     // vector path, block by block.
     aligned = aligned16(p) && aligned16(g) && aligned8(m) && aligned8(v);
   }
+
+  FK_HOST_DEVICE void load_pg(const Fragment& f, float (&fp)[kIlp], float (&fg)[kIlp]) const {
+    load(p, f, fp);
+    load(g, f, fg);
+  }
+  FK_HOST_DEVICE void store_p(const Fragment& f, const float (&fp)[kIlp]) const { store(p, f, fp); }
 };
 
+// Where block b of a moment matrix of `cols` columns starts: its first element
+// (row-major), and its length.
+struct BlockPlace {
+  int64_t first;
+  int64_t n;
+};
+
+FK_HOST_DEVICE BlockPlace block_place(int64_t cols, int64_t b) {
+  const int64_t per_row = (cols + kMomentBlock - 1) / kMomentBlock;
+  const int64_t row = b / per_row;
+  const int64_t c0 = (b - row * per_row) * kMomentBlock;
+  return BlockPlace{row * cols + c0, cols - c0 < kMomentBlock ? cols - c0 : kMomentBlock};
+}
+
+FK_HOST_DEVICE uint32_t max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+// Dequantize, update, write p; keep m and v^(1/4) and their lane maxima. Every
+// lane reads the scales before any lane writes them (a later phase).
+template <typename Block>
+FK_HOST_DEVICE void moments8_update(const Block& mb, const AdamWScalars& s, Int8WarpShared& sh,
+                                    int lane, Int8Lane& regs) {
+  const Fragment f = fragment(0, mb.n, mb.aligned, lane, kWarp);
+  float fp[kIlp] = {}, fg[kIlp] = {};
+  int8_t cm[kIlp] = {};
+  uint8_t cv[kIlp] = {};
+  mb.load_pg(f, fp, fg);
+  load_codes(mb.m, f, cm);
+  load_codes(mb.v, f, cv);
+  const float ms = *mb.m_scale, vs = *mb.v_scale;
+  uint32_t m_bits = 0, w_bits = 0;
+  FK_UNROLL
+  for (int j = 0; j < kIlp; ++j) {
+    if (j < f.count) {
+      float mj = first_moment(cm[j], ms);
+      float vj = second_moment(cv[j], vs);
+      float root_v;
+      fp[j] = adamw_update(fp[j], fg[j], mj, vj, s, root_v);
+      regs.m[j] = mj;
+      regs.w[j] = sqrtf(root_v);
+      m_bits = max_bits(m_bits, float_bits(fabsf(mj)));
+      w_bits = max_bits(w_bits, float_bits(fabsf(regs.w[j])));
+    }
+  }
+  mb.store_p(f, fp);
+  sh.m_bits[lane] = m_bits;
+  sh.w_bits[lane] = w_bits;
+}
+
+// The block's scales from its maxima (in lane 0's slots), and the codes of the
+// lane's elements; lane 0 writes the scales.
+template <typename Block>
+FK_HOST_DEVICE void moments8_quantize(const Block& mb, const Int8WarpShared& sh, int lane,
+                                      const Int8Lane& regs) {
+  const Fragment f = fragment(0, mb.n, mb.aligned, lane, kWarp);
+  const float ms = bits_float(sh.m_bits[0]) / 127.f, vs = bits_float(sh.w_bits[0]) / 255.f;
+  const float m_inv = 1.f / ms, v_inv = 1.f / vs;
+  int8_t cm[kIlp] = {};
+  uint8_t cv[kIlp] = {};
+  FK_UNROLL
+  for (int j = 0; j < kIlp; ++j) {
+    if (j < f.count) {
+      cm[j] = int8_t(moment_code(regs.m[j], ms, m_inv, -127.f, 127.f));
+      cv[j] = uint8_t(moment_code(regs.w[j], vs, v_inv, 0.f, 255.f));
+    }
+  }
+  store_codes(mb.m, f, cm);
+  store_codes(mb.v, f, cv);
+  if (lane == 0) {
+    *mb.m_scale = ms;
+    *mb.v_scale = vs;
+  }
+}
+
+// The program of warp `warp` of a thread block that owns the moment blocks
+// [begin, end) of one tensor: every kMoments8Warps-th block from begin + warp,
+// at(b) giving block b. run(phase) calls phase(lane, regs) for the 32 lanes of
+// the warp, each with its own Int8Lane, and returns once all have (on the GPU:
+// the call, then __syncwarp).
+template <typename At, typename Run>
+FK_HOST_DEVICE void moments8_warp(Int8WarpShared& sh, int64_t begin, int64_t end, int warp,
+                                  const AdamWScalars& s, At&& at, Run&& run) {
+  for (int64_t b = begin + warp; b < end; b += kMoments8Warps) {
+    const auto mb = at(b);
+    run([&](int lane, Int8Lane& regs) { moments8_update(mb, s, sh, lane, regs); });
+    for (int width = kWarp / 2; width > 0; width /= 2) {
+      run([&](int lane, Int8Lane&) {
+        if (lane < width) {
+          sh.m_bits[lane] = max_bits(sh.m_bits[lane], sh.m_bits[lane + width]);
+          sh.w_bits[lane] = max_bits(sh.w_bits[lane], sh.w_bits[lane + width]);
+        }
+      });
+    }
+    run([&](int lane, Int8Lane& regs) { moments8_quantize(mb, sh, lane, regs); });
+  }
+}
+
+// adamw_int8_: the blocks of every tensor, row by row.
 template <typename T>
 struct AdamWInt8Warp {
-  Moments8Tensor tensor;
+  T* p;
+  const T* g;
+  int8_t* m;
+  float* m_scales;
+  uint8_t* v;
+  float* v_scales;
+  int64_t cols;
   int64_t begin;  // the thread block's moment blocks in its tensor
   int64_t end;
   int warp;
@@ -187,90 +273,27 @@ struct AdamWInt8Warp {
                                int warp_)
       : warp(warp_) {
     const BlockRange r = meta.range(block, kAdamWInt8Chunk);
-    tensor = moments8_tensor(meta, r.slot);
+    p = static_cast<T*>(meta.params[r.slot]);
+    g = static_cast<const T*>(meta.grads[r.slot]);
+    m = meta.exp_avgs[r.slot];
+    m_scales = meta.exp_avg_scales[r.slot];
+    v = meta.exp_avg_sqs[r.slot];
+    v_scales = meta.exp_avg_sq_scales[r.slot];
+    cols = meta.cols[r.slot];
     begin = r.begin;
     end = r.end;
     skip = skipped(args.device);
     s = resolve(args);
   }
 
-  // The warp's program. run(phase) calls phase(lane, regs) for the 32 lanes of
-  // the warp, each with its own Int8Lane, and returns once all have (on the GPU:
-  // the call, then __syncwarp).
   template <typename Run>
   FK_HOST_DEVICE void run_phases(Int8WarpShared& sh, Run&& run) const {
     if (skip) return;
-    for (int64_t b = begin + warp; b < end; b += kAdamWInt8Warps) {
-      const MomentBlock8<T> mb(tensor, b);
-      run([&](int lane, Int8Lane& regs) { update(mb, sh, lane, regs); });
-      for (int width = kWarp / 2; width > 0; width /= 2) {
-        run([&](int lane, Int8Lane&) {
-          if (lane < width) {
-            sh.m_bits[lane] = max_bits(sh.m_bits[lane], sh.m_bits[lane + width]);
-            sh.w_bits[lane] = max_bits(sh.w_bits[lane], sh.w_bits[lane + width]);
-          }
-        });
-      }
-      run([&](int lane, Int8Lane& regs) { quantize(mb, sh, lane, regs); });
-    }
-  }
-
-  static FK_HOST_DEVICE uint32_t max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
-
-  // Dequantize, update, write p; keep m and v^(1/4) and their lane maxima. Every
-  // lane reads the scales before any lane writes them (a later phase).
-  FK_HOST_DEVICE void update(const MomentBlock8<T>& mb, Int8WarpShared& sh, int lane,
-                             Int8Lane& regs) const {
-    const Fragment f = fragment(0, mb.n, mb.aligned, lane, kWarp);
-    float fp[kIlp] = {}, fg[kIlp] = {};
-    int8_t cm[kIlp] = {};
-    uint8_t cv[kIlp] = {};
-    load(mb.p, f, fp);
-    load(mb.g, f, fg);
-    load_codes(mb.m, f, cm);
-    load_codes(mb.v, f, cv);
-    const float ms = *mb.m_scale, vs = *mb.v_scale;
-    uint32_t m_bits = 0, w_bits = 0;
-    FK_UNROLL
-    for (int j = 0; j < kIlp; ++j) {
-      if (j < f.count) {
-        float mj = first_moment(cm[j], ms);
-        float vj = second_moment(cv[j], vs);
-        float root_v;
-        fp[j] = adamw_update(fp[j], fg[j], mj, vj, s, root_v);
-        regs.m[j] = mj;
-        regs.w[j] = sqrtf(root_v);
-        m_bits = max_bits(m_bits, float_bits(fabsf(mj)));
-        w_bits = max_bits(w_bits, float_bits(fabsf(regs.w[j])));
-      }
-    }
-    store(mb.p, f, fp);
-    sh.m_bits[lane] = m_bits;
-    sh.w_bits[lane] = w_bits;
-  }
-
-  // The block's scales from its maxima (in lane 0's slots), and the codes of the
-  // lane's elements; lane 0 writes the scales.
-  FK_HOST_DEVICE void quantize(const MomentBlock8<T>& mb, Int8WarpShared& sh, int lane,
-                               Int8Lane& regs) const {
-    const Fragment f = fragment(0, mb.n, mb.aligned, lane, kWarp);
-    const float ms = bits_float(sh.m_bits[0]) / 127.f, vs = bits_float(sh.w_bits[0]) / 255.f;
-    const float m_inv = 1.f / ms, v_inv = 1.f / vs;
-    int8_t cm[kIlp] = {};
-    uint8_t cv[kIlp] = {};
-    FK_UNROLL
-    for (int j = 0; j < kIlp; ++j) {
-      if (j < f.count) {
-        cm[j] = int8_t(moment_code(regs.m[j], ms, m_inv, -127.f, 127.f));
-        cv[j] = uint8_t(moment_code(regs.w[j], vs, v_inv, 0.f, 255.f));
-      }
-    }
-    store_codes(mb.m, f, cm);
-    store_codes(mb.v, f, cv);
-    if (lane == 0) {
-      *mb.m_scale = ms;
-      *mb.v_scale = vs;
-    }
+    moments8_warp(sh, begin, end, warp, s, [&](int64_t b) {
+      const BlockPlace at = block_place(cols, b);
+      return MomentBlock8<T>(p + at.first, g + at.first, m + at.first, v + at.first,
+                             m_scales + b, v_scales + b, at.n);
+    }, run);
   }
 };
 

@@ -39,6 +39,10 @@ void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, const De
               uintptr_t stream);
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                  const DeviceScalars& d, uintptr_t stream);
+// The subset's 8-bit moments in `q`, as cpu::frugal_step_int8 (rows and columns subsets).
+void frugal_step_int8(const TensorBatch& t, const SubsetBatch& sub, const Moments8Batch& q,
+                      DType dtype, const FrugalHyper& h, const DeviceScalars& d,
+                      uintptr_t stream);
 // The batch's params are the packed codes and its dtype the gradients' (as cpu::dqt_update).
 void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q, DType grad_dtype,
                 const DqtHyper& h, const DeviceScalars& d, uintptr_t stream);
@@ -69,6 +73,9 @@ LaunchLimits adamw_limits();
 LaunchLimits adamw_int8_limits();
 LaunchLimits sign_sgd_limits();
 LaunchLimits frugal_step_limits();
+// frugal_step_int8_'s second launch (the members' moment blocks); its first is
+// frugal_step_'s.
+LaunchLimits frugal_step_int8_limits();
 LaunchLimits dqt_update_limits();
 LaunchLimits grad_norm_limits();
 
@@ -86,6 +93,8 @@ int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,
                  const cuda::DeviceScalars& d);
 int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                     const cuda::DeviceScalars& d);
+int64_t frugal_step_int8(const TensorBatch& t, const SubsetBatch& sub, const Moments8Batch& q,
+                         DType dtype, const FrugalHyper& h, const cuda::DeviceScalars& d);
 int64_t dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,
                    DType grad_dtype, const DqtHyper& h, const cuda::DeviceScalars& d);
 // Host memory in place of device memory; the launches of grad_norm are returned,

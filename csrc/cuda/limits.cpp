@@ -6,6 +6,7 @@
 #include "adamw_int8.cuh"
 #include "dqt_update.cuh"
 #include "frugal_step.cuh"
+#include "frugal_step_int8.cuh"
 #include "grad_norm.cuh"
 #include "sign_sgd.cuh"
 
@@ -17,7 +18,7 @@ LaunchLimits adamw_limits() {
 }
 
 LaunchLimits adamw_int8_limits() {
-  return LaunchLimits{kAdamWInt8Threads, kAdamWInt8Chunk, 0, AdamWInt8Meta::kMaxTensors,
+  return LaunchLimits{kMoments8Threads, kAdamWInt8Chunk, 0, AdamWInt8Meta::kMaxTensors,
                       AdamWInt8Meta::kMaxBlocks};
 }
 
@@ -29,6 +30,11 @@ LaunchLimits sign_sgd_limits() {
 LaunchLimits frugal_step_limits() {
   return LaunchLimits{kFrugalThreads, kFrugalChunk, kFrugalTile, FrugalMeta::kMaxTensors,
                       FrugalMeta::kMaxBlocks};
+}
+
+LaunchLimits frugal_step_int8_limits() {
+  return LaunchLimits{kMoments8Threads, kFrugalInt8Chunk, 0, FrugalInt8Meta::kMaxTensors,
+                      FrugalInt8Meta::kMaxBlocks};
 }
 
 LaunchLimits dqt_update_limits() {

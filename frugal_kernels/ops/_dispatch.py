@@ -35,8 +35,7 @@ CAPABILITIES = {
     # No CUDA-C kernel yet: on GPU tensors "auto" picks triton.
     "frugal::sgd_": frozenset(("cpu", "triton", "torch")),
     "frugal::frugal_step_": frozenset(BACKENDS),
-    # 8-bit subset moments: no CUDA-C kernel yet: on GPU tensors "auto" picks triton.
-    "frugal::frugal_step_int8_": frozenset(("cpu", "triton", "torch")),
+    "frugal::frugal_step_int8_": frozenset(BACKENDS),
     # The GEMMs run in torch (cpu) or in the Triton kernel; no CUDA-C version.
     "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),
     # The whole low-rank step with its GEMMs as plain loops: for small matrices on the CPU.

@@ -62,9 +62,30 @@ INT8_SHAPES = [(1,), (7,), (MOMENT_BLOCK - 1,), (MOMENT_BLOCK,), (MOMENT_BLOCK +
                (INT8_CHUNK, MOMENT_BLOCK), (2, 3, 700), (), (1, 1), (5, 2 * MOMENT_BLOCK)]
 
 
+# frugal_step_int8_: shapes per subset kind with their state-full fractions. rows: state
+# rows of 300, 700, one block, 20 blocks, 7 (one short block), a full subset of 70 rows
+# (more blocks than a chunk), 1-D tensors (one gathered state row of k; k = 1 is a
+# member row), 3-D; columns: state rows of k around and past a block (C = 4500: 4
+# blocks), a single column, a full subset, 3-D (state rows of 3 x k).
+FRUGAL_INT8_SHAPES = {
+    "rows": [((37, 300), 0.3), ((3, 700), 0.5), ((8, MOMENT_BLOCK), 0.4), ((5, 5000), 0.4),
+             ((1, 7), 1.0), ((6, 33), 0.0), ((9, 250), 1.0), ((70, MOMENT_BLOCK), 1.0),
+             ((3000,), 0.3), ((1,), 1.0), ((2, 3, 700), 0.5)],
+    "columns": [((300, 77), 0.3), ((3, 4500), 0.2), ((20, TILE), 0.1), ((50, 513), 0.25),
+                ((40, 1), 1.0), ((10, 100), 0.0), ((13, 40), 1.0), ((2, 3, 700), 0.3),
+                ((200, 600), 0.5)],
+}
+
+
+def as_shape(shape):
+    """A shape, from a shape or a length."""
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
 def moment_blocks(shapes):
     """The units adamw_int8_'s planner cuts into chunks: each tensor's moment blocks."""
-    return [MomentBlocks(s).rows * MomentBlocks(s).per_row for s in shapes]
+    blocks = [MomentBlocks(as_shape(s)) for s in shapes]
+    return [b.rows * b.per_row for b in blocks]
 
 
 # dqt_update_: weights [R, C] per subset kind with their state-full fractions:
@@ -119,7 +140,8 @@ def placed(values, *, misaligned=False, device="cpu"):
     offset = 1 if misaligned else 0
     out = base[offset:offset + n].view(values.shape)
     out.copy_(values)
-    assert (out.data_ptr() % 16 == 0) != misaligned
+    # An empty view has no address of its own (torch reports its storage's).
+    assert n == 0 or (out.data_ptr() % 16 == 0) != misaligned
     return out
 
 
@@ -155,7 +177,7 @@ def adamw_int8_data(shapes, dtype, seed):
     more has zero moments and gradients, so that it quantizes to blocks of scale 0."""
     gen = torch.Generator().manual_seed(seed)
     p, g, moments = [], [], ([], [], [], [])
-    for shape in shapes:
+    for shape in map(as_shape, shapes):
         p.append(torch.randn(shape, generator=gen).to(dtype))
         g.append(grads_like(shape, dtype, gen))
         m = 0.1 * torch.randn(shape, generator=gen)
@@ -166,6 +188,19 @@ def adamw_int8_data(shapes, dtype, seed):
                                     *reference.quantize_moment(v, True))):
             lst.append(t)
     return (p, g, *moments)
+
+
+def frugal_int8_data(kind, shapes, dtype, index_dtype, seed):
+    """params, grads, the 8-bit moments of the compact states (4 lists, as
+    adamw_int8_data's) and indices for ``shapes`` (pairs of a shape and a state-full
+    fraction): lists of host tensors."""
+    p, g, m, v, idx = frugal_data(kind, shapes, dtype, index_dtype, seed)
+    moments = ([], [], [], [])
+    for mi, vi in zip(m, v):
+        for lst, t in zip(moments, (*reference.quantize_moment(mi, False),
+                                    *reference.quantize_moment(vi, True))):
+            lst.append(t)
+    return (p, g, *moments, idx)
 
 
 def sign_sgd_data(numels, dtype, seed):
