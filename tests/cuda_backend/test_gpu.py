@@ -17,9 +17,9 @@ from frugal_kernels._quant import QUANT_BITS
 from frugal_kernels.ops import _dispatch
 
 from .cases import (BETA1, BETA2, CHUNK, DQT_CHUNK, DQT_SHAPES, DTYPES, EPS, FRUGAL_SHAPES,
-                    GN_CHUNK, GN_SIZES, INT8_CHUNK, INT8_SHAPES, LR, SIZES, STEP, TILE, WD,
-                    adamw_data, adamw_int8_data, assert_equal, dqt_data, frugal_data,
-                    grad_norm_data, placed, sign_sgd_data)
+                    FRUGAL_INT8_SHAPES, GN_CHUNK, GN_SIZES, INT8_CHUNK, INT8_SHAPES, LR, SIZES,
+                    STEP, TILE, WD, adamw_data, adamw_int8_data, assert_equal, dqt_data,
+                    frugal_data, frugal_int8_data, grad_norm_data, placed, sign_sgd_data)
 
 pytestmark = pytest.mark.gpu
 
@@ -245,6 +245,58 @@ def test_frugal_step_over_steps():
 def test_frugal_step_device_scalars_without_host_sync(kind):
     check_frugal_step(kind, FRUGAL_SHAPES[kind], torch.bfloat16, torch.int32, "sign", seed=8,
                       steps=3, scalars_on_device=True)
+
+
+# ------------------------------------------------------ frugal_step_int8_
+
+def check_frugal_step_int8(kind, shapes, dtype, index_dtype, state_free, *, seed=0,
+                           misaligned=False, steps=1, scalars_on_device=False):
+    """The cuda backend against the cpu backend: params, codes and scales equal."""
+    host = list(frugal_int8_data(kind, shapes, dtype, index_dtype, seed))
+    dev = [on_gpu(ts, misaligned and i < 2) for i, ts in enumerate(host)]
+    common = dict(kind=kind, state_free=state_free, state_free_scale=0.5)
+    lr, step = device_scalars() if scalars_on_device else (LR, STEP)
+    for i in range(steps):
+        ops.frugal_step_int8_(*host, **common, **hyper(step=STEP + i), backend="cpu")
+        if scalars_on_device:
+            with no_host_sync():
+                ops.frugal_step_int8_(*dev, **common, **hyper(lr=lr, step=step),
+                                      backend="cuda", check_indices=False)
+            step += 1
+        else:
+            ops.frugal_step_int8_(*dev, **common, **hyper(step=STEP + i), backend="cuda")
+    for name, i in INT8_WRITTEN.items():
+        assert_equal(name, dev[i], host[i])
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(FRUGAL_INT8_SHAPES))
+def test_frugal_step_int8(kind, dtype, index_dtype, misaligned):
+    for seed, state_free in enumerate(STATE_FREE_RULES):
+        check_frugal_step_int8(kind, FRUGAL_INT8_SHAPES[kind], dtype, index_dtype, state_free,
+                               seed=seed, misaligned=misaligned)
+
+
+def test_frugal_step_int8_many_tensors_and_blocks():
+    sizes = torch.randint(1, 300, (60, 2), generator=torch.Generator().manual_seed(19))
+    for kind in FRUGAL_INT8_SHAPES:
+        check_frugal_step_int8(kind, [((int(r), int(c)), 0.3) for r, c in sizes],
+                               torch.bfloat16, torch.int64, "sign", seed=19)
+    check_frugal_step_int8("columns", [((330 * INT8_CHUNK + 5, 3), 1.0), ((7, 600), 0.5)],
+                           torch.float32, torch.int32, "sgd", seed=20)
+
+
+def test_frugal_step_int8_over_steps():
+    check_frugal_step_int8("rows", FRUGAL_INT8_SHAPES["rows"], torch.float32, torch.int64,
+                           "sgd", seed=21, steps=4)
+
+
+@pytest.mark.parametrize("kind", list(FRUGAL_INT8_SHAPES))
+def test_frugal_step_int8_device_scalars_without_host_sync(kind):
+    check_frugal_step_int8(kind, FRUGAL_INT8_SHAPES[kind], torch.bfloat16, torch.int32, "sign",
+                           seed=22, steps=3, scalars_on_device=True)
 
 
 # ----------------------------------------------------------- dqt_update_
