@@ -360,8 +360,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_limits", [] {
     py::dict d;
     d["adamw"] = as_dict(cuda::adamw_limits());
+    d["adamw_int8"] = as_dict(cuda::adamw_int8_limits());
     d["sign_sgd"] = as_dict(cuda::sign_sgd_limits());
     d["frugal_step"] = as_dict(cuda::frugal_step_limits());
+    d["frugal_step_int8"] = as_dict(cuda::frugal_step_int8_limits());
     d["dqt_update"] = as_dict(cuda::dqt_update_limits());
     d["grad_norm"] = as_dict(cuda::grad_norm_limits());
     return d;
@@ -545,6 +547,13 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           return cuda_emulated::adamw(t, b.dtype, h, d);
         });
+  m.def("adamw_int8_cuda_emulated", [](const Batch& b, const Moments8& q, const AdamWHyper& h,
+                                        const cuda::DeviceScalars& d) {
+    const TensorBatch t = b.view();
+    const Moments8Batch mq = q.view(b);
+    py::gil_scoped_release nogil;
+    return cuda_emulated::adamw_int8(t, mq, b.dtype, h, d);
+  });
   m.def("sign_sgd_cuda_emulated",
         [](const Batch& b, const SignSgdHyper& h, const cuda::DeviceScalars& d) {
           const TensorBatch t = b.view();
@@ -558,6 +567,15 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           return cuda_emulated::frugal_step(t, sub, b.dtype, h, d);
         });
+  m.def("frugal_step_int8_cuda_emulated", [](const Batch& b, const Subsets& s, const Moments8& q,
+                                              const FrugalHyper& h,
+                                              const cuda::DeviceScalars& d) {
+    const TensorBatch t = b.view();
+    const SubsetBatch sub = s.view(b);
+    const Moments8Batch mq = q.view(b, s);
+    py::gil_scoped_release nogil;
+    return cuda_emulated::frugal_step_int8(t, sub, mq, b.dtype, h, d);
+  });
   m.def("dqt_update_cuda_emulated", [](const Batch& b, const Subsets& s, const Quant& q,
                                         const DqtHyper& h, const cuda::DeviceScalars& d) {
     const TensorBatch t = b.view_with_moments();
@@ -591,6 +609,13 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     cuda::adamw(t, b.dtype, h, d, stream);
   });
+  m.def("adamw_int8_cuda", [](const Batch& b, const Moments8& q, const AdamWHyper& h,
+                              const cuda::DeviceScalars& d, uintptr_t stream) {
+    const TensorBatch t = b.view();
+    const Moments8Batch mq = q.view(b);
+    py::gil_scoped_release nogil;
+    cuda::adamw_int8(t, mq, b.dtype, h, d, stream);
+  });
   m.def("sign_sgd_cuda", [](const Batch& b, const SignSgdHyper& h, const cuda::DeviceScalars& d,
                             uintptr_t stream) {
     const TensorBatch t = b.view();
@@ -603,6 +628,15 @@ PYBIND11_MODULE(_C, m) {
     const SubsetBatch sub = s.view(b);
     py::gil_scoped_release nogil;
     cuda::frugal_step(t, sub, b.dtype, h, d, stream);
+  });
+  m.def("frugal_step_int8_cuda", [](const Batch& b, const Subsets& s, const Moments8& q,
+                                     const FrugalHyper& h, const cuda::DeviceScalars& d,
+                                     uintptr_t stream) {
+    const TensorBatch t = b.view();
+    const SubsetBatch sub = s.view(b);
+    const Moments8Batch mq = q.view(b, s);
+    py::gil_scoped_release nogil;
+    cuda::frugal_step_int8(t, sub, mq, b.dtype, h, d, stream);
   });
   m.def("dqt_update_cuda", [](const Batch& b, const Subsets& s, const Quant& q, const DqtHyper& h,
                               const cuda::DeviceScalars& d, uintptr_t stream) {

@@ -9,10 +9,13 @@
 #include "kernels.h"
 
 #include <limits>
+#include <vector>
 
 #include "adamw.cuh"
+#include "adamw_int8.cuh"
 #include "dqt_update.cuh"
 #include "frugal_step.cuh"
+#include "frugal_step_int8.cuh"
 #include "grad_norm.cuh"
 #include "sign_sgd.cuh"
 
@@ -29,6 +32,29 @@ void each_thread(int threads, Phase&& phase) {
   for (int tid = threads - 1; tid >= 0; --tid) phase(tid);
 }
 
+// Runs the warps of a block of a kernel on 8-bit moments, body(warp) giving a
+// warp's program. The warps share nothing and never wait for one another, so
+// each runs its whole program alone, last warp first; its barriers are the
+// warp's own (__syncwarp on the GPU).
+template <typename Body>
+void each_warp(Body&& body) {
+  for (int warp = cuda::kMoments8Warps - 1; warp >= 0; --warp) {
+    // Undefined on the GPU: a maximum a lane did not write, or a register read
+    // before it is set, poisons the block with a NaN the tests see.
+    cuda::Int8WarpShared sh;
+    for (uint32_t& x : sh.m_bits) x = 0x7fc00000u;
+    for (uint32_t& x : sh.w_bits) x = 0x7fc00000u;
+    cuda::Int8Lane regs[cuda::kWarp];
+    for (cuda::Int8Lane& r : regs) {
+      for (float& x : r.m) x = std::numeric_limits<float>::quiet_NaN();
+      for (float& x : r.w) x = std::numeric_limits<float>::quiet_NaN();
+    }
+    body(warp).run_phases(sh, [&](auto&& phase) {
+      each_thread(cuda::kWarp, [&](int lane) { phase(lane, regs[lane]); });
+    });
+  }
+}
+
 }  // namespace
 
 int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
@@ -43,6 +69,24 @@ int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h,
         each_thread(cuda::kAdamWThreads, [&](int tid) {
           cuda::adamw_thread<T>(meta, args, b, tid, cuda::kAdamWThreads);
         });
+      }
+    });
+  });
+  return launches;
+}
+
+int64_t adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const AdamWHyper& h,
+                   const cuda::DeviceScalars& d) {
+  if (h.found_inf != 0.0) return 0;
+  const cuda::AdamWArgs args = cuda::adamw_args(h, d);
+  const std::vector<int64_t> units = cuda::moment_blocks(q, t.count);
+  int64_t launches = 0;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    launches = cuda::plan_adamw_int8(t, q, units.data(),
+                                     [&](const cuda::AdamWInt8Meta& meta, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        each_warp([&](int warp) { return cuda::AdamWInt8Warp<T>(meta, args, b, warp); });
       }
     });
   });
@@ -83,6 +127,37 @@ int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, c
         cuda::FrugalShared sh{};
         block.run_phases(sh, cuda::kFrugalThreads,
                          [&](auto&& phase) { each_thread(cuda::kFrugalThreads, phase); });
+      }
+    });
+  };
+  cuda::with_frugal_types(dtype, sub.index_is_int32, h.state_free, run);
+  return launches;
+}
+
+int64_t frugal_step_int8(const TensorBatch& t, const SubsetBatch& sub, const Moments8Batch& q,
+                         DType dtype, const FrugalHyper& h, const cuda::DeviceScalars& d) {
+  if (h.adamw.found_inf != 0.0) return 0;
+  const cuda::FrugalArgs args = cuda::frugal_args(sub, h, d);
+  std::vector<float*> none;
+  const TensorBatch plain = cuda::without_moments(t, none);
+  const std::vector<int64_t> units = cuda::moment_blocks(q, t.count);
+  int64_t launches = 0;
+  const auto run = [&](auto tag, auto index, auto mode_tag) {
+    using T = decltype(tag);
+    using Index = decltype(index);
+    using Block = cuda::FrugalBlock<T, Index, decltype(mode_tag)::value, false>;
+    launches += cuda::plan_frugal_step(plain, sub, [&](const cuda::FrugalMeta& meta, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        const Block block(meta, args, b);
+        cuda::FrugalShared sh{};  // zeros, as for frugal_step
+        block.run_phases(sh, cuda::kFrugalThreads,
+                         [&](auto&& phase) { each_thread(cuda::kFrugalThreads, phase); });
+      }
+    });
+    launches += cuda::plan_frugal_int8_members(t, sub, q, units.data(),
+                                               [&](const cuda::FrugalInt8Meta& meta, int blocks) {
+      for (int b = 0; b < blocks; ++b) {
+        each_warp([&](int warp) { return cuda::FrugalInt8Warp<T, Index>(meta, args, b, warp); });
       }
     });
   };

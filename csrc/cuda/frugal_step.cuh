@@ -93,7 +93,10 @@ FK_HOST_DEVICE void for_members(const SubsetShape& shape, const Index* idx, cons
   }
 }
 
-template <typename T, typename Index, StateFree Mode>
+// Members = false leaves the members' params as they are and reads no moment:
+// frugal_step_int8_'s first launch, whose second updates the members block by
+// block of their 8-bit moments (frugal_step_int8.cuh).
+template <typename T, typename Index, StateFree Mode, bool Members = true>
 struct FrugalBlock {
   T* p;
   const T* g;
@@ -161,8 +164,8 @@ struct FrugalBlock {
     const int64_t a = tile_begin(t);
     const int64_t n = tile_end(t) - a;
     const TileMembers& tm = sh.tiles[t];
-    float* tm_m = m + tm.slot_base + tm.q_begin;
-    float* tm_v = v + tm.slot_base + tm.q_begin;
+    float* tm_m = Members ? m + tm.slot_base + tm.q_begin : nullptr;
+    float* tm_v = Members ? v + tm.slot_base + tm.q_begin : nullptr;
     T* tp = p + a;
     const T* tg = g + a;
     for (int64_t round = 0; round < n; round += round_size(nthreads)) {
@@ -179,20 +182,23 @@ struct FrugalBlock {
           ord[j] = sh.ordinal[i];
           sh.ordinal[i] = -1;
         }
-        if (ord[j] >= 0) {
+        if (Members && ord[j] >= 0) {
           fm[j] = tm_m[ord[j]];
           fv[j] = tm_v[ord[j]];
         }
       }
       FK_UNROLL
       for (int j = 0; j < kIlp; ++j) {
-        fp[j] = ord[j] < 0 ? state_free_update<Mode>(fp[j], fg[j], s.state_free)
-                           : adamw_update(fp[j], fg[j], fm[j], fv[j], s.adamw);
+        if (ord[j] < 0) {
+          fp[j] = state_free_update<Mode>(fp[j], fg[j], s.state_free);
+        } else if (Members) {
+          fp[j] = adamw_update(fp[j], fg[j], fm[j], fv[j], s.adamw);
+        }
       }
       store(tp, f, fp);
       FK_UNROLL
       for (int j = 0; j < kIlp; ++j) {
-        if (ord[j] >= 0) {
+        if (Members && ord[j] >= 0) {
           tm_m[ord[j]] = fm[j];
           tm_v[ord[j]] = fv[j];
         }

@@ -12,6 +12,7 @@
 #include "frugal/batch.h"
 #include "frugal/common.h"
 #include "frugal/frugal_tile.h"
+#include "frugal/moments8.h"
 #include "frugal/quant.h"
 #include "frugal/update_rules.h"
 
@@ -31,10 +32,17 @@ struct DeviceScalars {
 // The functions below throw std::runtime_error on a CUDA error.
 void adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const DeviceScalars& d,
            uintptr_t stream);
+// The 8-bit moments in `q` (the batch's own moment pointers are unread), as cpu::adamw_int8.
+void adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const AdamWHyper& h,
+                const DeviceScalars& d, uintptr_t stream);
 void sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h, const DeviceScalars& d,
               uintptr_t stream);
 void frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                  const DeviceScalars& d, uintptr_t stream);
+// The subset's 8-bit moments in `q`, as cpu::frugal_step_int8 (rows and columns subsets).
+void frugal_step_int8(const TensorBatch& t, const SubsetBatch& sub, const Moments8Batch& q,
+                      DType dtype, const FrugalHyper& h, const DeviceScalars& d,
+                      uintptr_t stream);
 // The batch's params are the packed codes and its dtype the gradients' (as cpu::dqt_update).
 void dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q, DType grad_dtype,
                 const DqtHyper& h, const DeviceScalars& d, uintptr_t stream);
@@ -55,14 +63,19 @@ const char* archs();
 // or not: the emulator runs with them, and tests size their cases around them.
 struct LaunchLimits {
   int threads;      // per block
-  int64_t chunk;    // elements (frugal_step_: positions; dqt_update_: padded positions) a block owns
+  int64_t chunk;    // elements (frugal_step_: positions; dqt_update_: padded positions;
+                    // adamw_int8_: moment blocks) a block owns
   int64_t tile;     // positions a frugal_step_ / dqt_update_ tile holds; 0 for kernels without tiles
   int max_tensors;  // tensors one launch carries
   int max_blocks;   // blocks one launch carries
 };
 LaunchLimits adamw_limits();
+LaunchLimits adamw_int8_limits();
 LaunchLimits sign_sgd_limits();
 LaunchLimits frugal_step_limits();
+// frugal_step_int8_'s second launch (the members' moment blocks); its first is
+// frugal_step_'s.
+LaunchLimits frugal_step_int8_limits();
 LaunchLimits dqt_update_limits();
 LaunchLimits grad_norm_limits();
 
@@ -74,10 +87,14 @@ LaunchLimits grad_norm_limits();
 namespace cuda_emulated {
 
 int64_t adamw(const TensorBatch& t, DType dtype, const AdamWHyper& h, const cuda::DeviceScalars& d);
+int64_t adamw_int8(const TensorBatch& t, const Moments8Batch& q, DType dtype, const AdamWHyper& h,
+                   const cuda::DeviceScalars& d);
 int64_t sign_sgd(const TensorBatch& t, DType dtype, const SignSgdHyper& h,
                  const cuda::DeviceScalars& d);
 int64_t frugal_step(const TensorBatch& t, const SubsetBatch& sub, DType dtype, const FrugalHyper& h,
                     const cuda::DeviceScalars& d);
+int64_t frugal_step_int8(const TensorBatch& t, const SubsetBatch& sub, const Moments8Batch& q,
+                         DType dtype, const FrugalHyper& h, const cuda::DeviceScalars& d);
 int64_t dqt_update(const TensorBatch& t, const SubsetBatch& sub, const QuantBatch& q,
                    DType grad_dtype, const DqtHyper& h, const cuda::DeviceScalars& d);
 // Host memory in place of device memory; the launches of grad_norm are returned,

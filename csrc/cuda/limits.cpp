@@ -3,8 +3,10 @@
 #include "kernels.h"
 
 #include "adamw.cuh"
+#include "adamw_int8.cuh"
 #include "dqt_update.cuh"
 #include "frugal_step.cuh"
+#include "frugal_step_int8.cuh"
 #include "grad_norm.cuh"
 #include "sign_sgd.cuh"
 
@@ -15,6 +17,11 @@ LaunchLimits adamw_limits() {
   return LaunchLimits{kAdamWThreads, kAdamWChunk, 0, AdamWMeta::kMaxTensors, AdamWMeta::kMaxBlocks};
 }
 
+LaunchLimits adamw_int8_limits() {
+  return LaunchLimits{kMoments8Threads, kAdamWInt8Chunk, 0, AdamWInt8Meta::kMaxTensors,
+                      AdamWInt8Meta::kMaxBlocks};
+}
+
 LaunchLimits sign_sgd_limits() {
   return LaunchLimits{kSignSgdThreads, kSignSgdChunk, 0, SignSgdMeta::kMaxTensors,
                       SignSgdMeta::kMaxBlocks};
@@ -23,6 +30,11 @@ LaunchLimits sign_sgd_limits() {
 LaunchLimits frugal_step_limits() {
   return LaunchLimits{kFrugalThreads, kFrugalChunk, kFrugalTile, FrugalMeta::kMaxTensors,
                       FrugalMeta::kMaxBlocks};
+}
+
+LaunchLimits frugal_step_int8_limits() {
+  return LaunchLimits{kMoments8Threads, kFrugalInt8Chunk, 0, FrugalInt8Meta::kMaxTensors,
+                      FrugalInt8Meta::kMaxBlocks};
 }
 
 LaunchLimits dqt_update_limits() {

@@ -316,8 +316,10 @@ def sweep(*, device: torch.device, numels: Sequence[int], dtypes: Sequence[torch
             for name in op_names or _FACTORIES:
                 for case in _FACTORIES[name](params, dtype, rho):
                     for backend in backends:
+                        # The capability table decides: an op without a kernel of this
+                        # backend (frugal_step_int8_ has no cuda one) has no row for it.
                         if backend in case.backends and \
-                                ops.resolve(backend, device, "frugal::" + case.op) == backend:
+                                backend in ops.usable_backends(device.type, "frugal::" + case.op):
                             key = f"{case.op}[{case.variant}]/{backend}"
                             candidates[key] = case.run(backend)
                             cases[key] = (case, backend)

@@ -30,14 +30,12 @@ _AUTO_ORDER = {"cpu": ("cpu", "torch"), "cuda": ("cuda", "triton", "torch")}
 # Which backends implement each op (the others fall through in "auto").
 CAPABILITIES = {
     "frugal::adamw_": frozenset(BACKENDS),
-    # 8-bit moments: no CUDA-C kernel yet: on GPU tensors "auto" picks triton.
-    "frugal::adamw_int8_": frozenset(("cpu", "triton", "torch")),
+    "frugal::adamw_int8_": frozenset(BACKENDS),
     "frugal::sign_sgd_": frozenset(BACKENDS),
     # No CUDA-C kernel yet: on GPU tensors "auto" picks triton.
     "frugal::sgd_": frozenset(("cpu", "triton", "torch")),
     "frugal::frugal_step_": frozenset(BACKENDS),
-    # 8-bit subset moments: no CUDA-C kernel yet: on GPU tensors "auto" picks triton.
-    "frugal::frugal_step_int8_": frozenset(("cpu", "triton", "torch")),
+    "frugal::frugal_step_int8_": frozenset(BACKENDS),
     # The GEMMs run in torch (cpu) or in the Triton kernel; no CUDA-C version.
     "frugal::lowrank_step_": frozenset(("cpu", "triton", "torch")),
     # The whole low-rank step with its GEMMs as plain loops: for small matrices on the CPU.

@@ -99,7 +99,20 @@ def _prepare_cpu(ext, t) -> Call:
     return call
 
 
-_cpu = SPEC.impls["cpu"]
+@SPEC.prepared("cuda")
+def _prepare_cuda(ext, t) -> Call:
+    from frugal_kernels.ops._cuda import launch
+
+    batch, device = GatheredBatch(t.params), t.params[0].device
+    moments = moments8_batch(ext, t)
+
+    def call(grads: List[int], h) -> None:
+        with launch(ext, h, device) as (hyper, scalars, stream):
+            ext.adamw_int8_cuda(batch.with_grads(ext, grads), moments, hyper, scalars, stream)
+    return call
+
+
+_cpu, _cuda = SPEC.impls["cpu"], SPEC.impls["cuda"]
 
 adamw_int8_ = SPEC.register(
     doc='''AdamW on lists of tensors whose moments are stored in 8 bits, in place, in one call.

@@ -75,7 +75,22 @@ def _prepare_cpu(ext, t) -> Call:
     return call
 
 
-_cpu = SPEC.impls["cpu"]
+@SPEC.prepared("cuda")
+def _prepare_cuda(ext, t) -> Call:
+    from frugal_kernels.ops._cuda import launch
+
+    batch, device = GatheredBatch(t.params), t.params[0].device
+    subsets = subset_batch(ext, t.params, t.indices, t.kind)
+    moments = moments8_batch(ext, t)
+
+    def call(grads: List[int], h) -> None:
+        with launch(ext, h, device) as (hyper, scalars, stream):
+            ext.frugal_step_int8_cuda(batch.with_grads(ext, grads), subsets, moments, hyper,
+                                      scalars, stream)
+    return call
+
+
+_cpu, _cuda = SPEC.impls["cpu"], SPEC.impls["cuda"]
 
 frugal_step_int8_ = SPEC.register(
     doc=r'''The fused FRUGAL update of a list of tensors with 8-bit subset moments, in place.

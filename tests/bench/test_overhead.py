@@ -3,6 +3,7 @@
 import torch
 
 import frugal_kernels as fk
+from frugal_kernels import ops
 from frugal_kernels.bench import overhead
 from frugal_kernels.bench.report import markdown
 
@@ -44,3 +45,16 @@ def test_op_sweep_reports_the_in_place_roofline():
     assert r["bytes"] == 3 * r["numel"] * 4  # p read and written, g read
     assert abs(r["roofline_fraction"] - r["gbps"] / r["roofline_gbps"]) < 1e-12
     assert abs(r["copy_fraction"] - r["gbps"] / r["copy_gbps"]) < 1e-12
+
+
+def test_op_sweep_rows_follow_the_capability_table():
+    """A backend asked for that cannot run an op here (cuda on CPU tensors; triton
+    without the interpreter) gets no row of it, rather than stopping the sweep."""
+    from frugal_kernels.bench import ops as bench_ops
+
+    rows = bench_ops.sweep(device=torch.device("cpu"), numels=[1 << 12], dtypes=[torch.float32],
+                           backends=["cpu", "cuda", "triton"],
+                           op_names=["adamw_int8_", "frugal_step_int8_"], rounds=1)
+    for op in ("adamw_int8_", "frugal_step_int8_"):
+        want = {"cpu", "triton"} & set(ops.usable_backends("cpu", "frugal::" + op))
+        assert {r["backend"] for r in rows if r["op"] == op} == want, op

@@ -5,9 +5,10 @@ launch constants, which _C reports from the headers (csrc/cuda/*.cuh)."""
 import pytest
 import torch
 
-from frugal_kernels import _quant
+from frugal_kernels import _quant, reference
 from frugal_kernels._extension import extension
-from frugal_kernels._layout import STATE_FREE_RULES, subset_dim, subset_state_shape
+from frugal_kernels._layout import (MOMENT_BLOCK, STATE_FREE_RULES, MomentBlocks, subset_dim,
+                                    subset_state_shape)
 
 from ..required import skip_unless_required
 
@@ -23,6 +24,8 @@ TILE = LIMITS["frugal_step"]["tile"]
 # dqt_update_'s tiles and chunks count padded positions (rows padded to groups of 8).
 DQT_TILE = LIMITS["dqt_update"]["tile"]
 DQT_CHUNK = LIMITS["dqt_update"]["chunk"]
+# adamw_int8_'s chunks count moment blocks (MOMENT_BLOCK elements of a row, or the row).
+INT8_CHUNK = LIMITS["adamw_int8"]["chunk"]
 # grad_norm's chunks: one partial result each.
 GN_CHUNK = LIMITS["grad_norm"]["chunk"]
 GN_SIZES = [1, 7, 2047, 2048, 2049, GN_CHUNK - 1, GN_CHUNK, GN_CHUNK + 1, 2 * GN_CHUNK + 5]
@@ -47,6 +50,42 @@ FRUGAL_SHAPES = {
     "flat": [((1,), 1.0), ((7,), 0.5), ((TILE - 1,), 0.3), ((TILE,), 0.3), ((TILE + 1,), 0.3),
              ((CHUNK + 1,), 0.25), ((40000,), 0.1), ((3000,), 0.0), ((2500,), 1.0)],
 }
+
+
+# adamw_int8_: rows around the moment block (one warp's round) and a thread block's
+# chunk of moment blocks: rows of one element and of 7 (many blocks a chunk), of a block
+# and one, of 300 (a partial last block; rows after the first off the 16-byte path),
+# a row of INT8_CHUNK blocks and one element (a second thread block of one short moment
+# block), rows exactly a chunk's worth, 0-dim, 3-D.
+INT8_SHAPES = [(1,), (7,), (MOMENT_BLOCK - 1,), (MOMENT_BLOCK,), (MOMENT_BLOCK + 1,),
+               (INT8_CHUNK * MOMENT_BLOCK + 1,), (40, 7), (9, MOMENT_BLOCK + 1), (3, 300),
+               (INT8_CHUNK, MOMENT_BLOCK), (2, 3, 700), (), (1, 1), (5, 2 * MOMENT_BLOCK)]
+
+
+# frugal_step_int8_: shapes per subset kind with their state-full fractions. rows: state
+# rows of 300, 700, one block, 20 blocks, 7 (one short block), a full subset of 70 rows
+# (more blocks than a chunk), 1-D tensors (one gathered state row of k; k = 1 is a
+# member row), 3-D; columns: state rows of k around and past a block (C = 4500: 4
+# blocks), a single column, a full subset, 3-D (state rows of 3 x k).
+FRUGAL_INT8_SHAPES = {
+    "rows": [((37, 300), 0.3), ((3, 700), 0.5), ((8, MOMENT_BLOCK), 0.4), ((5, 5000), 0.4),
+             ((1, 7), 1.0), ((6, 33), 0.0), ((9, 250), 1.0), ((70, MOMENT_BLOCK), 1.0),
+             ((3000,), 0.3), ((1,), 1.0), ((2, 3, 700), 0.5)],
+    "columns": [((300, 77), 0.3), ((3, 4500), 0.2), ((20, TILE), 0.1), ((50, 513), 0.25),
+                ((40, 1), 1.0), ((10, 100), 0.0), ((13, 40), 1.0), ((2, 3, 700), 0.3),
+                ((200, 600), 0.5)],
+}
+
+
+def as_shape(shape):
+    """A shape, from a shape or a length."""
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+def moment_blocks(shapes):
+    """The units adamw_int8_'s planner cuts into chunks: each tensor's moment blocks."""
+    blocks = [MomentBlocks(as_shape(s)) for s in shapes]
+    return [b.rows * b.per_row for b in blocks]
 
 
 # dqt_update_: weights [R, C] per subset kind with their state-full fractions:
@@ -101,7 +140,8 @@ def placed(values, *, misaligned=False, device="cpu"):
     offset = 1 if misaligned else 0
     out = base[offset:offset + n].view(values.shape)
     out.copy_(values)
-    assert (out.data_ptr() % 16 == 0) != misaligned
+    # An empty view has no address of its own (torch reports its storage's).
+    assert n == 0 or (out.data_ptr() % 16 == 0) != misaligned
     return out
 
 
@@ -128,6 +168,39 @@ def adamw_data(numels, dtype, seed):
         m.append(0.1 * torch.randn(n, generator=gen))
         v.append(0.01 * torch.rand(n, generator=gen))
     return p, g, m, v
+
+
+def adamw_int8_data(shapes, dtype, seed):
+    """params, grads and the 8-bit moments (exp_avgs, exp_avg_scales, exp_avg_sqs,
+    exp_avg_sq_scales: the reference's codes of random fp32 moments, second moments over
+    four decades): lists of host tensors. The first row of every tensor of two rows or
+    more has zero moments and gradients, so that it quantizes to blocks of scale 0."""
+    gen = torch.Generator().manual_seed(seed)
+    p, g, moments = [], [], ([], [], [], [])
+    for shape in map(as_shape, shapes):
+        p.append(torch.randn(shape, generator=gen).to(dtype))
+        g.append(grads_like(shape, dtype, gen))
+        m = 0.1 * torch.randn(shape, generator=gen)
+        v = 0.01 * torch.rand(shape, generator=gen) ** 4
+        if len(shape) >= 2 and shape[0] >= 2:
+            m[0], v[0], g[-1][0] = 0.0, 0.0, 0.0
+        for lst, t in zip(moments, (*reference.quantize_moment(m, False),
+                                    *reference.quantize_moment(v, True))):
+            lst.append(t)
+    return (p, g, *moments)
+
+
+def frugal_int8_data(kind, shapes, dtype, index_dtype, seed):
+    """params, grads, the 8-bit moments of the compact states (4 lists, as
+    adamw_int8_data's) and indices for ``shapes`` (pairs of a shape and a state-full
+    fraction): lists of host tensors."""
+    p, g, m, v, idx = frugal_data(kind, shapes, dtype, index_dtype, seed)
+    moments = ([], [], [], [])
+    for mi, vi in zip(m, v):
+        for lst, t in zip(moments, (*reference.quantize_moment(mi, False),
+                                    *reference.quantize_moment(vi, True))):
+            lst.append(t)
+    return (p, g, *moments, idx)
 
 
 def sign_sgd_data(numels, dtype, seed):

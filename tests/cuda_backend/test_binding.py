@@ -91,10 +91,14 @@ def test_batches_check_their_lengths():
 
 
 def test_cuda_limits_describe_every_kernel():
-    assert set(LIMITS) == {"adamw", "sign_sgd", "frugal_step", "dqt_update", "grad_norm"}
+    assert set(LIMITS) == {"adamw", "adamw_int8", "sign_sgd", "frugal_step", "frugal_step_int8",
+                           "dqt_update", "grad_norm"}
     for op, limits in LIMITS.items():
         assert limits["max_tensors"] <= 256 and limits["max_blocks"] > 0, op
-        assert limits["chunk"] % limits["threads"] == 0, op
+        # The kernels on 8-bit moments count their chunks in moment blocks, one per warp
+        # and round; the others in elements, kIlp per thread and round.
+        per_round = limits["threads"] // 32 if op.endswith("_int8") else limits["threads"]
+        assert limits["chunk"] % per_round == 0, op
     for op in ("frugal_step", "dqt_update"):
         assert LIMITS[op]["chunk"] % LIMITS[op]["tile"] == 0, op
     # dqt_update_'s threads own groups of eight fields (whole bytes of every code width).

@@ -25,13 +25,16 @@ import torch
 import frugal_kernels
 from frugal_kernels._layout import STATE_FREE_CODES, STATE_FREE_RULES
 from frugal_kernels._quant import QUANT_BITS
-from frugal_kernels.ops import adamw, dqt_update, frugal_step, sign_sgd
+from frugal_kernels.ops import (adamw, adamw_int8, dqt_update, frugal_step, frugal_step_int8,
+                                sign_sgd)
 from frugal_kernels.ops._common import kernel_batch, subset_batch
 
 from .cases import (_C, BETA1, BETA2, CHUNK, DQT_CHUNK, DQT_SHAPES, DQT_TILE, DTYPES, EPS,
-                    FRUGAL_SHAPES, GN_CHUNK, GN_SIZES, LR, SIZES, STEP, TILE, WD, adamw_data,
-                    assert_equal, dqt_data, dqt_padded, frugal_data, grad_norm_data,
-                    grad_norm_partials, launches_for, placed, sign_sgd_data)
+                    FRUGAL_INT8_SHAPES, FRUGAL_SHAPES, GN_CHUNK, GN_SIZES, INT8_CHUNK,
+                    INT8_SHAPES, LR, SIZES, STEP, TILE, WD, adamw_data, adamw_int8_data,
+                    assert_equal, dqt_data, dqt_padded, frugal_data, frugal_int8_data,
+                    grad_norm_data, grad_norm_partials, launches_for, moment_blocks, placed,
+                    sign_sgd_data)
 
 # The module, which ops.grad_norm (the function) hides as an attribute of ops.
 grad_norm = importlib.import_module("frugal_kernels.ops.grad_norm")
@@ -134,6 +137,144 @@ def test_adamw_device_scalars(which):
     pointers.run_emulated(**by_pointer(which))
     for name in ("p", "m", "v"):
         assert_equal(name, getattr(pointers, name), getattr(values, name))
+
+
+# ------------------------------------------------------------ adamw_int8_
+
+INT8_LISTS = ("params", "exp_avgs", "exp_avg_scales", "exp_avg_sqs", "exp_avg_sq_scales")
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+         torch.int8: torch.int8, torch.uint8: torch.uint8}
+
+
+def assert_same_bits(name, got, want):
+    """assert_equal on the bit patterns: NaN scales and moments must agree too."""
+    assert_equal(name, [t.view(_BITS[t.dtype]) for t in got],
+                 [t.view(_BITS[t.dtype]) for t in want])
+
+
+class AdamWInt8Case:
+    """params, grads and 8-bit moments placed in memory, by list initial: p, g, m (codes),
+    s (their scales), v, w (their scales); those in ``misaligned`` one element off."""
+
+    def __init__(self, shapes, dtype, *, seed=0, misaligned=(), maximize=False):
+        self.shapes, self.dtype, self.maximize = shapes, dtype, maximize
+        self.lists = placed_lists(adamw_int8_data(shapes, dtype, seed), "pgmsvw", misaligned)
+
+    def hyper(self, lr=LR, step=STEP, grad_scale=1.0):
+        return _C.AdamWHyper(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, step=step,
+                             maximize=self.maximize, grad_scale=grad_scale, found_inf=0.0)
+
+    def call(self, lists, grads=None, **hyper):
+        """The binding's arguments but the DeviceScalars, with the lists as given."""
+        t = adamw_int8.Tensors(lists[0], self.lists[1] if grads is None else grads, *lists[2:])
+        return (kernel_batch(_C, t.params, t.grads), adamw_int8.moments8_batch(_C, t),
+                self.hyper(**hyper))
+
+    def written(self):
+        return [self.lists[i] for i in (0, 2, 3, 4, 5)]
+
+    def run_cpu(self):
+        lists = [[t.clone() for t in ts] for ts in self.lists]
+        _C.adamw_int8_cpu(*self.call(lists), torch.get_num_threads())
+        return [lists[i] for i in (0, 2, 3, 4, 5)]
+
+    def run_emulated(self, grads=None, pointers=None, **hyper):
+        """``pointers``: the DeviceScalars' host addresses, by name."""
+        return _C.adamw_int8_cuda_emulated(*self.call(self.lists, grads, **hyper),
+                                           _C.DeviceScalars(**(pointers or {})))
+
+    def check(self):
+        before = [[t.clone() for t in ts] for ts in self.written()]
+        want = self.run_cpu()
+        launches = self.run_emulated()
+        for name, got, w in zip(INT8_LISTS, self.written(), want):
+            assert_same_bits(name, got, w)
+        for name, got, b in zip(INT8_LISTS, self.written(), before):
+            moved = sum(not torch.equal(x, y) for x, y in zip(got, b) if x.numel())
+            assert moved > 0, f"no {name} changed"
+        return launches
+
+
+@pytest.mark.parametrize("misaligned", [(), ("p", "g"), ("m", "v"), ("p", "g", "m", "v")],
+                         ids=["aligned", "pg-misaligned", "codes-misaligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adamw_int8_shapes(dtype, misaligned):
+    case = AdamWInt8Case(INT8_SHAPES, dtype, misaligned=misaligned)
+    assert case.check() == launches_for("adamw_int8", moment_blocks(INT8_SHAPES)) == 1
+
+
+@pytest.mark.parametrize("which", ["p", "g", "m", "v"])
+def test_adamw_int8_one_misaligned_list_takes_the_scalar_path(which):
+    # The emulator raises on a vector access at a misaligned address, so this fails
+    # if any pointer is left out of the alignment check.
+    AdamWInt8Case([(3, 2 * 256), (INT8_CHUNK + 1) * 256], torch.bfloat16,
+                  misaligned=(which,)).check()
+
+
+def test_adamw_int8_maximize():
+    assert AdamWInt8Case([(4, 300), 5], torch.float16, maximize=True).check() == 1
+
+
+def test_adamw_int8_more_tensors_than_one_launch_holds():
+    gen = torch.Generator().manual_seed(14)
+    shapes = [(int(r), int(c)) for r, c in torch.randint(1, 300, (70, 2), generator=gen)]
+    shapes[5], shapes[40] = (0, 3), (4, 0)
+    case = AdamWInt8Case(shapes, torch.float16, seed=14)
+    assert case.check() == launches_for("adamw_int8", moment_blocks(shapes)) >= 3
+
+
+def test_adamw_int8_more_blocks_than_one_launch_holds():
+    # Rows of 3: 330 chunks of moment blocks in 63K elements; the first tensor spans
+    # two launches and the next joins it in the second.
+    shapes = [(330 * INT8_CHUNK + 5, 3), (7, 600)]
+    case = AdamWInt8Case(shapes, torch.bfloat16, seed=15)
+    assert case.check() == launches_for("adamw_int8", moment_blocks(shapes)) == 2
+
+
+def test_adamw_int8_non_finite_blocks():
+    """A NaN in a block makes its scales NaN and its codes 0, an infinite gradient
+    its scales inf; the bits of both (NaN's payload included) as the CPU kernel's."""
+    case = AdamWInt8Case([(3, 600), 700], torch.float32, seed=16)
+    g = case.lists[1]
+    g[0][1, 5], g[0][2, 599], g[1][300] = math.nan, math.inf, -math.inf
+    case.check()
+    scales = case.lists[3]
+    assert math.isnan(scales[0][1, 0].item()) and scales[1][0, 1].item() == math.inf
+
+
+@pytest.mark.parametrize("which", ["lr", "step", "both"])
+def test_adamw_int8_device_scalars(which):
+    values = AdamWInt8Case(INT8_SHAPES, torch.bfloat16, seed=17)
+    pointers = AdamWInt8Case(INT8_SHAPES, torch.bfloat16, seed=17)
+    values.run_emulated(**BY_VALUE)
+    kw = by_pointer(which)
+    pointers.run_emulated(lr=kw["lr"], step=kw["step"],
+                          pointers={name: kw[f"{name}_ptr"] for name in ("lr", "step")
+                                    if f"{name}_ptr" in kw})
+    for name, got, want in zip(INT8_LISTS, pointers.written(), values.written()):
+        assert_equal(name, got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adamw_int8_grad_scaler_on_the_device(dtype):
+    """GradScaler's scale read by the kernel gives the unscaled bits (the value beside
+    the pointer is junk, as the ops layer passes); its found_inf leaves everything
+    untouched."""
+    def case():
+        return AdamWInt8Case(INT8_SHAPES, dtype, seed=18)
+
+    want, got, skipped = case(), case(), case()
+    want.run_emulated()
+    scale = torch.tensor(1024.0)
+    got.run_emulated(grads=[g * 1024 for g in got.lists[1]], grad_scale=0.0,
+                     pointers={"grad_scale": scale.data_ptr()})
+    before = [[t.clone() for t in ts] for ts in skipped.written()]
+    found = torch.tensor(1.0)
+    skipped.run_emulated(pointers={"found_inf": found.data_ptr()})
+    for name, a, b, c, d in zip(INT8_LISTS, got.written(), want.written(), skipped.written(),
+                                before):
+        assert_equal(name, a, b)
+        assert_equal(name, c, d)
 
 
 # -------------------------------------------------------------- sign_sgd_
@@ -265,6 +406,131 @@ def test_frugal_step_device_scalars(which):
     pointers.run_emulated(**by_pointer(which))
     for name in ("p", "m", "v"):
         assert_equal(name, getattr(pointers, name), getattr(values, name))
+
+
+# ------------------------------------------------------ frugal_step_int8_
+
+class FrugalInt8Case:
+    """As AdamWInt8Case, with a subset: lists by initial p, g, m, s, v, w, i."""
+
+    def __init__(self, kind, shapes, dtype, index_dtype, *, mode="sign", seed=0,
+                 misaligned=()):
+        self.kind, self.mode = kind, mode
+        data = frugal_int8_data(kind, shapes, dtype, index_dtype, seed)
+        self.lists = placed_lists(data, "pgmsvwi", misaligned)
+
+    def call(self, lists, grads=None, lr=LR, step=STEP, grad_scale=1.0):
+        """The binding's arguments but the DeviceScalars, with the lists as given."""
+        t = frugal_step_int8.Tensors(lists[0], self.lists[1] if grads is None else grads,
+                                     *lists[2:6], self.lists[6], self.kind)
+        return (kernel_batch(_C, t.params, t.grads), subset_batch(_C, t.params, t.indices, t.kind),
+                adamw_int8.moments8_batch(_C, t),
+                _C.FrugalHyper(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD,
+                               step=step, state_free=STATE_FREE_CODES[self.mode],
+                               state_free_scale=0.5, grad_scale=grad_scale, found_inf=0.0))
+
+    def written(self):
+        return [self.lists[i] for i in (0, 2, 3, 4, 5)]
+
+    def run_cpu(self):
+        lists = [[t.clone() for t in ts] for ts in self.lists]
+        _C.frugal_step_int8_cpu(*self.call(lists), torch.get_num_threads())
+        return [lists[i] for i in (0, 2, 3, 4, 5)]
+
+    def run_emulated(self, grads=None, pointers=None, **hyper):
+        """``pointers``: the DeviceScalars' host addresses, by name."""
+        return _C.frugal_step_int8_cuda_emulated(*self.call(self.lists, grads, **hyper),
+                                                 _C.DeviceScalars(**(pointers or {})))
+
+    def launches(self):
+        """What the planners must reach: frugal_step_'s launches over the params, then
+        the members' over the compact states' moment blocks."""
+        numels = [t.numel() for t in self.lists[0]]
+        return (launches_for("frugal_step", numels) +
+                launches_for("frugal_step_int8", moment_blocks([t.shape for t in self.lists[2]])))
+
+    def check(self):
+        before = [[t.clone() for t in ts] for ts in self.written()]
+        want = self.run_cpu()
+        launches = self.run_emulated()
+        for name, got, w in zip(INT8_LISTS, self.written(), want):
+            assert_same_bits(name, got, w)
+        for name, got, b in zip(INT8_LISTS, self.written(), before):
+            moved = sum(not torch.equal(x, y) for x, y in zip(got, b) if x.numel())
+            assert moved > 0 or (name != "params" and not any(x.numel() for x in got)), \
+                f"no {name} changed"
+        assert launches == self.launches()
+        return launches
+
+
+@pytest.mark.parametrize("misaligned", [(), ("p", "g"), ("m", "v")],
+                         ids=["aligned", "pg-misaligned", "codes-misaligned"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(FRUGAL_INT8_SHAPES))
+def test_frugal_step_int8(kind, dtype, index_dtype, misaligned):
+    for seed, mode in enumerate(STATE_FREE_RULES):
+        case = FrugalInt8Case(kind, FRUGAL_INT8_SHAPES[kind], dtype, index_dtype, mode=mode,
+                              seed=seed, misaligned=misaligned)
+        assert case.check() == 2
+
+
+@pytest.mark.parametrize("which", ["p", "g", "m", "v"])
+def test_frugal_step_int8_one_misaligned_list_takes_the_scalar_path(which):
+    FrugalInt8Case("rows", FRUGAL_INT8_SHAPES["rows"], torch.float16, torch.int32,
+                   misaligned=(which,)).check()
+
+
+def test_frugal_step_int8_more_tensors_than_one_launch_holds():
+    shapes = [((int(r), int(c)), 0.3) for r, c in
+              torch.randint(1, 300, (60, 2), generator=torch.Generator().manual_seed(19))]
+    for kind in FRUGAL_INT8_SHAPES:
+        case = FrugalInt8Case(kind, shapes, torch.bfloat16, torch.int64, seed=19)
+        case.check()
+        assert launches_for("frugal_step", [t.numel() for t in case.lists[0]]) >= 3
+        assert launches_for("frugal_step_int8",
+                            moment_blocks([t.shape for t in case.lists[2]])) >= 2
+
+
+def test_frugal_step_int8_more_blocks_than_one_launch_holds():
+    # A full columns subset of rows of 3: 330 chunks of moment blocks, the first
+    # tensor spanning two launches of the members, the next joining it.
+    shapes = [((330 * INT8_CHUNK + 5, 3), 1.0), ((7, 600), 0.5)]
+    assert FrugalInt8Case("columns", shapes, torch.float32, torch.int32, seed=20).check() == 3
+
+
+@pytest.mark.parametrize("which", ["lr", "step", "both"])
+def test_frugal_step_int8_device_scalars(which):
+    shapes = FRUGAL_INT8_SHAPES["columns"]
+    values = FrugalInt8Case("columns", shapes, torch.bfloat16, torch.int64, seed=21)
+    pointers = FrugalInt8Case("columns", shapes, torch.bfloat16, torch.int64, seed=21)
+    values.run_emulated(**BY_VALUE)
+    kw = by_pointer(which)
+    pointers.run_emulated(lr=kw["lr"], step=kw["step"],
+                          pointers={name: kw[f"{name}_ptr"] for name in ("lr", "step")
+                                    if f"{name}_ptr" in kw})
+    for name, got, want in zip(INT8_LISTS, pointers.written(), values.written()):
+        assert_equal(name, got, want)
+
+
+@pytest.mark.parametrize("kind", list(FRUGAL_INT8_SHAPES))
+def test_frugal_step_int8_grad_scaler_on_the_device(kind):
+    def case():
+        return FrugalInt8Case(kind, FRUGAL_INT8_SHAPES[kind], torch.float16, torch.int32,
+                              mode="sgd", seed=22)
+
+    want, got, skipped = case(), case(), case()
+    want.run_emulated()
+    scale = torch.tensor(1024.0)
+    got.run_emulated(grads=[g * 1024 for g in got.lists[1]], grad_scale=0.0,
+                     pointers={"grad_scale": scale.data_ptr()})
+    before = [[t.clone() for t in ts] for ts in skipped.written()]
+    found = torch.tensor(1.0)
+    skipped.run_emulated(pointers={"found_inf": found.data_ptr()})
+    for name, a, b, c, d in zip(INT8_LISTS, got.written(), want.written(), skipped.written(),
+                                before):
+        assert_equal(name, a, b)
+        assert_equal(name, c, d)
 
 
 # ----------------------------------------------------------- dqt_update_
@@ -501,7 +767,8 @@ class _EmulatedCuda:
 @pytest.fixture
 def emulated_cuda(monkeypatch):
     fake = _EmulatedCuda()
-    for module in (adamw, sign_sgd, frugal_step, dqt_update, grad_norm):
+    for module in (adamw, adamw_int8, sign_sgd, frugal_step, frugal_step_int8, dqt_update,
+                   grad_norm):
         monkeypatch.setattr(module, "extension", lambda: fake)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream",
@@ -530,6 +797,12 @@ def test_the_ops_cuda_backends_build_the_same_call_as_the_cpu_ones(emulated_cuda
                       adamw.AdamWHyper(lr, BETA1, BETA2, EPS, WD, step, True, scale, found))
     for a, b in zip(got, want):
         assert_equal("adamw_", a, b)
+    got, want = _both(adamw_int8, adamw_int8.Tensors(*adamw_int8_data([(3, 300), 77],
+                                                                      torch.float16, 24)),
+                      adamw.AdamWHyper(lr, BETA1, BETA2, EPS, WD, step, False, scale, found))
+    for name, a, b in zip(INT8_LISTS, [got[i] for i in (0, 2, 3, 4, 5)],
+                          [want[i] for i in (0, 2, 3, 4, 5)]):
+        assert_equal(f"adamw_int8_ {name}", a, b)
     got, want = _both(sign_sgd, sign_sgd.Tensors(*sign_sgd_data([CHUNK + 3], torch.float16, 21)),
                       sign_sgd.SignSgdHyper(lr, WD, 0.5, scale, None))
     assert_equal("sign_sgd_", got.params, want.params)
@@ -540,6 +813,14 @@ def test_the_ops_cuda_backends_build_the_same_call_as_the_cpu_ones(emulated_cuda
                                                   None, found))
         for a, b in zip(got[:3], want[:3]):
             assert_equal(f"frugal_step_ {kind}", a, b)
+    for kind, rule in (("rows", "none"), ("columns", "sign")):
+        data = frugal_int8_data(kind, FRUGAL_INT8_SHAPES[kind], torch.bfloat16, torch.int64,
+                                seed=25)
+        got, want = _both(frugal_step_int8, frugal_step_int8.Tensors(*data, kind),
+                          frugal_step.FrugalHyper(lr, BETA1, BETA2, EPS, WD, step, rule, 0.5,
+                                                  scale, found))
+        for name, i in zip(INT8_LISTS, (0, 2, 3, 4, 5)):
+            assert_equal(f"frugal_step_int8_ {kind} {name}", got[i], want[i])
     for kind, rule in (("rows", "sign"), ("columns", "sgd"), ("flat", "none")):
         data = dqt_data(kind, DQT_SHAPES[kind], 3, torch.bfloat16, torch.int64, seed=23)
         got, want = _both(dqt_update, dqt_update.Tensors(*data, kind, list(range(len(data[0])))),

@@ -17,8 +17,9 @@ from frugal_kernels._quant import QUANT_BITS
 from frugal_kernels.ops import _dispatch
 
 from .cases import (BETA1, BETA2, CHUNK, DQT_CHUNK, DQT_SHAPES, DTYPES, EPS, FRUGAL_SHAPES,
-                    GN_CHUNK, GN_SIZES, LR, SIZES, STEP, TILE, WD, adamw_data, assert_equal,
-                    dqt_data, frugal_data, grad_norm_data, placed, sign_sgd_data)
+                    FRUGAL_INT8_SHAPES, GN_CHUNK, GN_SIZES, INT8_CHUNK, INT8_SHAPES, LR, SIZES,
+                    STEP, TILE, WD, adamw_data, adamw_int8_data, assert_equal, dqt_data,
+                    frugal_data, frugal_int8_data, grad_norm_data, placed, sign_sgd_data)
 
 pytestmark = pytest.mark.gpu
 
@@ -94,6 +95,72 @@ def test_adamw_many_tensors_and_blocks():
 
 def test_adamw_device_scalars_without_host_sync():
     check_adamw([CHUNK + 5, 77], torch.bfloat16, seed=2, steps=3, scalars_on_device=True)
+
+
+# ------------------------------------------------------------ adamw_int8_
+
+INT8_WRITTEN = {"params": 0, "exp_avgs": 2, "exp_avg_scales": 3, "exp_avg_sqs": 4,
+                "exp_avg_sq_scales": 5}
+
+
+def check_adamw_int8(shapes, dtype, *, seed=0, misaligned=False, maximize=False, steps=1,
+                     scalars_on_device=False, grad_scale=None):
+    """The cuda backend against the cpu backend: params, codes and scales equal.
+    ``grad_scale``: a GradScaler's scale, the gradients multiplied by it and the scale
+    and found_inf passed as GPU tensors (the cpu backend gets the unscaled gradients)."""
+    host = list(adamw_int8_data(shapes, dtype, seed))
+    dev = [on_gpu(ts, misaligned) for ts in host]
+    amp = {}
+    if grad_scale is not None:
+        dev[1] = [g * grad_scale for g in dev[1]]
+        amp = dict(grad_scale=torch.tensor(grad_scale, device="cuda"),
+                   found_inf=torch.zeros((), device="cuda"))
+    lr, step = device_scalars() if scalars_on_device else (LR, STEP)
+    for i in range(steps):
+        ops.adamw_int8_(*host, **hyper(step=STEP + i), maximize=maximize, backend="cpu")
+        if scalars_on_device:
+            with no_host_sync():
+                ops.adamw_int8_(*dev, **hyper(lr=lr, step=step), maximize=maximize,
+                                backend="cuda", **amp)
+            step += 1
+        else:
+            ops.adamw_int8_(*dev, **hyper(step=STEP + i), maximize=maximize, backend="cuda",
+                            **amp)
+    for name, i in INT8_WRITTEN.items():
+        assert_equal(name, dev[i], host[i])
+    if grad_scale is not None:
+        before = [[t.clone() for t in dev[i]] for i in INT8_WRITTEN.values()]
+        amp["found_inf"].fill_(1.0)
+        ops.adamw_int8_(*dev, **hyper(step=STEP + steps), backend="cuda", **amp)
+        for (name, i), b in zip(INT8_WRITTEN.items(), before):
+            assert_equal(name, dev[i], b)
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adamw_int8(dtype, misaligned):
+    check_adamw_int8(INT8_SHAPES, dtype, misaligned=misaligned)
+
+
+def test_adamw_int8_maximize_over_steps():
+    check_adamw_int8([(4, 300), 5, (3, 1024)], torch.float32, maximize=True, steps=4)
+
+
+def test_adamw_int8_many_tensors_and_blocks():
+    shapes = [(330 * INT8_CHUNK + 5, 3), (2, 2**20 + 3)] + [
+        (int(r), int(c)) for r, c in torch.randint(1, 300, (70, 2),
+                                                   generator=torch.Generator().manual_seed(14))]
+    check_adamw_int8(shapes, torch.bfloat16, seed=14)
+
+
+def test_adamw_int8_device_scalars_without_host_sync():
+    check_adamw_int8(INT8_SHAPES, torch.bfloat16, seed=17, steps=3, scalars_on_device=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_adamw_int8_grad_scaler_on_the_device(dtype):
+    check_adamw_int8(INT8_SHAPES, dtype, seed=18, steps=2, scalars_on_device=True,
+                     grad_scale=1024.0)
 
 
 # -------------------------------------------------------------- sign_sgd_
@@ -178,6 +245,58 @@ def test_frugal_step_over_steps():
 def test_frugal_step_device_scalars_without_host_sync(kind):
     check_frugal_step(kind, FRUGAL_SHAPES[kind], torch.bfloat16, torch.int32, "sign", seed=8,
                       steps=3, scalars_on_device=True)
+
+
+# ------------------------------------------------------ frugal_step_int8_
+
+def check_frugal_step_int8(kind, shapes, dtype, index_dtype, state_free, *, seed=0,
+                           misaligned=False, steps=1, scalars_on_device=False):
+    """The cuda backend against the cpu backend: params, codes and scales equal."""
+    host = list(frugal_int8_data(kind, shapes, dtype, index_dtype, seed))
+    dev = [on_gpu(ts, misaligned and i < 2) for i, ts in enumerate(host)]
+    common = dict(kind=kind, state_free=state_free, state_free_scale=0.5)
+    lr, step = device_scalars() if scalars_on_device else (LR, STEP)
+    for i in range(steps):
+        ops.frugal_step_int8_(*host, **common, **hyper(step=STEP + i), backend="cpu")
+        if scalars_on_device:
+            with no_host_sync():
+                ops.frugal_step_int8_(*dev, **common, **hyper(lr=lr, step=step),
+                                      backend="cuda", check_indices=False)
+            step += 1
+        else:
+            ops.frugal_step_int8_(*dev, **common, **hyper(step=STEP + i), backend="cuda")
+    for name, i in INT8_WRITTEN.items():
+        assert_equal(name, dev[i], host[i])
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(FRUGAL_INT8_SHAPES))
+def test_frugal_step_int8(kind, dtype, index_dtype, misaligned):
+    for seed, state_free in enumerate(STATE_FREE_RULES):
+        check_frugal_step_int8(kind, FRUGAL_INT8_SHAPES[kind], dtype, index_dtype, state_free,
+                               seed=seed, misaligned=misaligned)
+
+
+def test_frugal_step_int8_many_tensors_and_blocks():
+    sizes = torch.randint(1, 300, (60, 2), generator=torch.Generator().manual_seed(19))
+    for kind in FRUGAL_INT8_SHAPES:
+        check_frugal_step_int8(kind, [((int(r), int(c)), 0.3) for r, c in sizes],
+                               torch.bfloat16, torch.int64, "sign", seed=19)
+    check_frugal_step_int8("columns", [((330 * INT8_CHUNK + 5, 3), 1.0), ((7, 600), 0.5)],
+                           torch.float32, torch.int32, "sgd", seed=20)
+
+
+def test_frugal_step_int8_over_steps():
+    check_frugal_step_int8("rows", FRUGAL_INT8_SHAPES["rows"], torch.float32, torch.int64,
+                           "sgd", seed=21, steps=4)
+
+
+@pytest.mark.parametrize("kind", list(FRUGAL_INT8_SHAPES))
+def test_frugal_step_int8_device_scalars_without_host_sync(kind):
+    check_frugal_step_int8(kind, FRUGAL_INT8_SHAPES[kind], torch.bfloat16, torch.int32, "sign",
+                           seed=22, steps=3, scalars_on_device=True)
 
 
 # ----------------------------------------------------------- dqt_update_

@@ -250,7 +250,8 @@ def test_every_op_has_a_strategy():
 def _emulated(op_name):
     """The functional face of ``op_name`` on the emulated CUDA grid: the ops'
     own kernel records, the emulated kernels of the binding."""
-    from frugal_kernels.ops import adamw, dqt_update, frugal_step, sign_sgd
+    from frugal_kernels.ops import (adamw, adamw_int8, dqt_update, frugal_step, frugal_step_int8,
+                                    sign_sgd)
 
     ext = extension()
     no_pointers = ext.DeviceScalars(lr=0, step=0)
@@ -267,10 +268,23 @@ def _emulated(op_name):
             p, g, m, v = lists
             h = adamw.AdamWHyper(step=step, **hyper, **no_scaler)
             ext.adamw_cuda_emulated(kernel_batch(ext, p, g, m, v), h.kernel(ext), no_pointers)
+        elif op_name == "adamw_int8_":
+            t = adamw_int8.Tensors(*lists)
+            h = adamw.AdamWHyper(step=step, **hyper, **no_scaler)
+            ext.adamw_int8_cuda_emulated(kernel_batch(ext, t.params, t.grads),
+                                         adamw_int8.moments8_batch(ext, t), h.kernel(ext),
+                                         no_pointers)
         elif op_name == "sign_sgd_":
             p, g = lists
             h = sign_sgd.SignSgdHyper(**hyper, **no_scaler)
             ext.sign_sgd_cuda_emulated(kernel_batch(ext, p, g), h.kernel(ext), no_pointers)
+        elif op_name == "frugal_step_int8_":
+            t = frugal_step_int8.Tensors(*lists, hyper.pop("kind"))
+            h = frugal_step.FrugalHyper(step=step, **hyper, **no_scaler)
+            ext.frugal_step_int8_cuda_emulated(kernel_batch(ext, t.params, t.grads),
+                                               subset_batch(ext, t.params, t.indices, t.kind),
+                                               adamw_int8.moments8_batch(ext, t), h.kernel(ext),
+                                               no_pointers)
         elif op_name == "dqt_update_":
             kind = hyper.pop("kind")
             seeds = hyper.pop("seeds")
