@@ -5,7 +5,8 @@ The governor (docs/governor.md) is judged on the fine-tuning task (``frugal-kern
 are chosen here on two other corpora, each pretrained from scratch by AdamW at the
 demo's tuned lrs long enough to plateau: the demo's own corpus (the standard library
 without its tests, cut to ``--max-bytes``) and a second one given by ``--second``
-(default: this repository's docs/, English prose about the package, which ships with it).
+(default: this repository's docs/, English prose about the package, copied beside
+``--out`` at the first run so that every run reads the same text).
 
 A governed run equals its ungoverned twin until the governor's first decay: the same
 seed, batches and lr (AdamW ignores reallocations, and the twin's WSD decay starts at
@@ -29,6 +30,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -119,11 +121,15 @@ def main() -> None:
     base = demo.run_config(base, "adamw")
     make = demo.OPTIMIZERS["adamw"].make
     grid = list(itertools.product(WINDOWS, PATIENCES, MIN_IMPROVEMENTS))
-    for name, data in (("the demo's corpus", None), ("a second corpus", args.second)):
+    # The runs read the second corpus from a copy: docs/ may change while they run.
+    second = args.out.parent / f"{args.out.name}-corpus"
+    if not second.exists():
+        shutil.copytree(args.second, second)
+    for name, data in (("the demo's corpus", None), ("a second corpus", str(second))):
         config = dataclasses.replace(base, data=data)
-        source = f"{data or 'the standard library without its tests'}, first " \
-                 f"{args.max_bytes} bytes"
-        if name in done:
+        source = (f"{'the standard library without its tests' if data is None else data}"
+                  f", first {args.max_bytes} bytes")
+        if name in done and done[name]["source"] == source:
             corpus = {**done[name], "source": source}
         else:
             started = time.perf_counter()
