@@ -695,7 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
                               type=_number(int, "an integer >= 2", lambda v: v >= 2),
                               help="evaluations the governor fits the loss slope on (default 5)")
     train_parser.add_argument("--governor-patience", type=_positive_int,
-                              help="evaluations under the threshold before a stop (default 3)")
+                              help="evaluations under the threshold before a stop (default 5)")
     train_parser.add_argument("--governor-min-improvement", type=_non_negative_float,
                               help="relative loss improvement under which the rest of the "
                                    "budget is not worth spending (default 0.005)")

@@ -198,7 +198,7 @@ class Governor:
         *,
         flops_per_token: Optional[float] = None,
         window: int = 5,
-        patience: int = 3,
+        patience: int = 5,
         min_improvement: float = 0.005,
         reallocate_fraction: float = 0.25,
         cooldown: Optional[int] = None,

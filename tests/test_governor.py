@@ -331,8 +331,10 @@ def test_a_plateau_starts_the_decay_early_and_the_run_ends_after_it(seed):
     start = decisions[actions.index("decay")]
     assert "would improve the loss" in start.reason
     # the plateau begins at 0.35 of the budget: the decay starts well before the
-    # budget's 1 / (1 + 0.25) = 0.8, and is a quarter of what was spent before it
-    assert start.flops < 0.6 * BUDGET
+    # budget's 1 / (1 + 0.25) = 0.8 (the window of 5 and patience of 5 evaluations
+    # after the projection falls under the threshold), and is a quarter of what was
+    # spent before it
+    assert start.flops < 0.65 * BUDGET
     assert start.suggestion["decay_flops"] == pytest.approx(DECAY * start.flops)
     assert governor.decay_end == pytest.approx(start.flops * (1 + DECAY))
     # the decay runs to its end, then the run stops: the FLOPs saved are the rest

@@ -94,7 +94,7 @@ def test_on_a_plateau_the_loop_decays_the_lr_then_stops(corpus, monkeypatch):
         TINY.model_config(corpus.vocab_size), TINY.seq_len)
     # AdamW's step FLOPs on top; the budget pays for about 40 steps of this run.
     config = dataclasses.replace(TINY, flop_budget=budget_steps * per_step * 1.05,
-                                 governor={"decay_fraction": 0.25})
+                                 governor={"decay_fraction": 0.25, "window": 5, "patience": 3})
     result = train(config, adamw, data=corpus, progress=False)
     actions = [(d["step"], d["action"]) for d in result.decisions if d["action"] != "continue"]
     assert actions == [(14, "decay"), (18, "stop")], actions
