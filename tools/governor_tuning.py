@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import itertools
 import json
 import os
@@ -43,7 +44,9 @@ DECAY_FRACTION = 0.25
 WINDOWS = (3, 5, 8)
 PATIENCES = (2, 3, 5)
 MIN_IMPROVEMENTS = (0.002, 0.005, 0.01, 0.02)
-DEFAULT = (5, 3, 0.005)  # Governor's defaults: window, patience, min_improvement
+# The Governor's defaults, marked in the tables.
+DEFAULT = tuple(inspect.signature(Governor).parameters[name].default
+                for name in ("window", "patience", "min_improvement"))
 
 
 def replay(evaluations: list, budget: float, window: int, patience: int,
@@ -105,7 +108,12 @@ def main() -> None:
     parser.add_argument("--second", default=str(Path(__file__).resolve().parents[1] / "docs"))
     parser.add_argument("--run-windows", type=int, nargs="+", default=WINDOWS,
                         help="run the decay points of these windows' settings (default: all)")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="write <out>.md again from <out>.json, running nothing")
     args = parser.parse_args()
+    if args.tables_only:
+        write(args.out, json.loads(args.out.with_suffix(".json").read_text()))
+        return
     done = (json.loads(args.out.with_suffix(".json").read_text())["corpora"]
             if args.out.with_suffix(".json").exists() else {})
     options = " ".join(f"--{k.replace('_', '-')} " + (" ".join(map(str, v))
