@@ -1,5 +1,5 @@
-"""What the distributed tests share: a place for the ranks to meet, the
-checkpoint round trip through torch.distributed.checkpoint, and the measure of
+"""What the distributed tests share: a place for the ranks to meet and to leave,
+the checkpoint round trip through torch.distributed.checkpoint, and the measure of
 how far two runs are apart."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import inspect
 import os
 import uuid
 
+import torch.distributed as dist
 from torch import nn
 
 import frugal_kernels as fk
@@ -18,6 +19,19 @@ def rendezvous(folder: str) -> str:
     FileStore). A free TCP port, chosen then bound by the ranks later, can be taken by
     another process on a shared machine in between; a file of its own cannot."""
     return "file://" + os.path.join(os.path.abspath(folder), f"rendezvous-{uuid.uuid4().hex}")
+
+
+def end_rank() -> None:
+    """End a spawned rank once its results are saved: a barrier, so that no rank leaves
+    while another has a collective in flight, then ``os._exit(0)``, without tearing the
+    process group down. A DistributedDataParallel module freed after
+    ``destroy_process_group()`` destroys the gloo group from its Reducer with the GIL
+    held, joining gloo's loop thread while that thread waits for the GIL to free a
+    finished collective's tensors: the rank never exits (seen in CI with torch 2.13,
+    ``ProcessGroupGloo::~ProcessGroupGloo`` in ``std::thread::join`` under
+    ``Reducer::~Reducer``), and the spawn's join waits for it forever."""
+    dist.barrier()
+    os._exit(0)
 
 
 def ddp_without_buffer_sync(module, **options):

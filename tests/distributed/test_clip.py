@@ -16,7 +16,7 @@ from torch import nn
 
 import frugal_kernels as fk
 
-from .helpers import fraction_apart, rendezvous
+from .helpers import end_rank, fraction_apart, rendezvous
 
 STEPS, BATCH, MAX_NORM = 3, 8, 0.05
 NORM_TYPES = (2.0, math.inf)
@@ -81,7 +81,7 @@ def _rank(rank, world, init_method, out):
         results[norm_type] = {"norms": train(model, opt, norm_type, rank, world),
                               "params": params_of(model)}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from torch import nn
 import frugal_kernels as fk
 from frugal_kernels.optim.subspace_choice import PROJECTIONS
 
-from .helpers import fraction_apart, rendezvous
+from .helpers import end_rank, fraction_apart, rendezvous
 
 STEPS = 6
 BATCH = 8  # global; each of the two ranks takes half
@@ -82,7 +82,7 @@ def _rank(rank, world, init_method, out):
     results["observe_loss"] = {"update_gap": ada.update_gap,
                                "history": [dict(h) for h in ada.history]}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ import frugal_kernels as fk
 from frugal_kernels._shard import RowShard, row_chunk
 from frugal_kernels.nn import QuantLinear, QuantWeight, shard_quantized_
 
-from .helpers import ddp_without_buffer_sync, rendezvous, load, save
+from .helpers import ddp_without_buffer_sync, end_rank, load, rendezvous, save
 
 STEPS = 4
 CUT = 2  # checkpoints are taken after CUT steps
@@ -275,7 +275,7 @@ def _rank(rank, world, init_method, out):
     results["collectives"] = count_shard_collectives(mesh, rank, world)
     results["nonfinite"] = nonfinite_on_one_rank(mesh, rank)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def error_of(fn, kind=ValueError):

@@ -27,7 +27,7 @@ from torch import nn
 import frugal_kernels as fk
 from frugal_kernels.optim.subspace_choice import PROJECTIONS
 
-from .helpers import fraction_apart, rendezvous, load, save
+from .helpers import end_rank, fraction_apart, load, rendezvous, save
 
 STEPS = 6
 CUT = 3  # checkpoints are taken after CUT steps
@@ -242,7 +242,7 @@ def _rank(rank, world, init_method, out):
     results["observe_loss"] = {"update_gap": ada.update_gap,
                                "history": [dict(h) for h in ada.history]}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _local_tensors(model, opt):

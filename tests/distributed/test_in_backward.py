@@ -23,7 +23,7 @@ from torch import nn
 
 import frugal_kernels as fk
 
-from .helpers import rendezvous
+from .helpers import end_rank, rendezvous
 from .test_ddp import BATCH, model
 
 STEPS = 5
@@ -113,7 +113,7 @@ def _rank(rank, world, init_method, out):
     results["plain_grads"] = [p.grad.clone() for p in plain.module.parameters()]
     results["fsdp2"] = _fsdp2_refusal()
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _fsdp2_refusal() -> str:

@@ -15,7 +15,7 @@ from torch import nn
 
 import frugal_kernels as fk
 
-from .helpers import fraction_apart, rendezvous, load, save
+from .helpers import end_rank, fraction_apart, load, rendezvous, save
 
 STEPS, CUT, BATCH = 4, 2, 8
 
@@ -109,7 +109,7 @@ def _rank(rank, world, init_method, out, projection):
     load(model, opt, os.path.join(out, "one"))
     results["loaded_from_one"] = whole(opt.state_dict()["state"])
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.fixture(scope="module", params=[None, "rows", "columns"],
