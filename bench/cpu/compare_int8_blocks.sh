@@ -7,21 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 REV=${1:-HEAD}
 LEVEL=${2:-avx2}
-case $LEVEL in
-  avx2) ISA_FLAGS="-mavx2 -mfma -mf16c" ;;
-  avx512) ISA_FLAGS="-mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx2 -mfma -mf16c -mprefer-vector-width=512" ;;
-  baseline) ISA_FLAGS="" ;;
-  *) echo "unknown level $LEVEL" >&2; exit 2 ;;
-esac
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-git archive "$REV" csrc | tar -x -C "$WORK"
-# The flags of CMakeLists.txt's CPU levels.
-FLAGS="-std=c++17 -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off $ISA_FLAGS"
-g++ $FLAGS -DFK_CPU_ISA=old_tree -I"$WORK/csrc" -I"$WORK/csrc/include" \
-    -c bench/cpu/int8_block_harness.cpp -o "$WORK/old.o"
-g++ $FLAGS -DFK_CPU_ISA=new_tree -Icsrc -Icsrc/include \
-    -c bench/cpu/int8_block_harness.cpp -o "$WORK/new.o"
+source bench/cpu/two_trees.sh int8_block_harness.cpp
 cat > "$WORK/main.cpp" <<'CPP'
 #include <algorithm>
 #include <cstdio>
